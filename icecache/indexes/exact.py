@@ -1,0 +1,45 @@
+"""``exact``: the oracle. Every middle token is its own page; selection is the exact top-B tokens by
+q.k (max over the GQA group). Any approximate pager is measured against it."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from icecache.core.pager import SemanticPager
+from icecache.indexes.registry import register_pager
+
+
+@register_pager("exact")
+class ExactPager(SemanticPager):
+    """Top-``budget`` tokens by ``max_g q.k``, each token a page of one (``page_size`` is ignored)."""
+
+    semantic = False
+
+    def __init__(self, head_dim: int, page_size: int = 16, seed: int = 0, *, record_moves: bool = False) -> None:
+        super().__init__(head_dim, page_size, seed, record_moves=record_moves)
+        self._keys = torch.zeros(0, head_dim)
+
+    def _table_page_size(self) -> int:
+        return 1
+
+    def _build(self, keys: torch.Tensor) -> None:
+        self._keys = keys.clone()
+        self.table.new_pages(np.arange(keys.shape[0]).reshape(-1, 1))
+
+    def _insert(self, keys: torch.Tensor, start: int) -> None:
+        self._keys = torch.cat([self._keys, keys])
+        self.table.new_pages(np.arange(start, start + keys.shape[0]).reshape(-1, 1))
+
+    def _rank_pages(self, queries: torch.Tensor, budget: int) -> tuple[np.ndarray, np.ndarray]:
+        scores = (queries @ self._keys.T).amax(dim=0)  # [n]
+        k = min(budget, scores.numel())
+        top = torch.topk(scores, k, sorted=True)
+        # Order ties by position so the result does not depend on topk's internal order.
+        vals, pos = top.values.numpy(), top.indices.numpy()
+        order = np.lexsort((pos, -vals))
+        pos = pos[order]
+        return np.asarray(self.table.page_of(pos)), vals[order]
+
+    def index_bytes(self) -> int:
+        return self._keys.numel() * self._keys.element_size()

@@ -1,0 +1,80 @@
+"""``sequential``: token-order pages ranked by Quest's upper bound (Tang et al., ICML 2024,
+arXiv 2406.10774). The token-order baseline every semantic pager is compared with.
+
+Page i holds positions ``[i P, (i + 1) P)``. Per page and channel we keep the key minimum ``m`` and maximum
+``M``; a page's score for a query is ``sum_c max(q_c m_c, q_c M_c)``, an upper bound of ``q.k`` for every key
+in it, and the GQA group's score is the max over its query heads. `insert` fills the last page, then opens
+new ones, so insert-after-build is identical to a build on the concatenation.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from icecache.core.pager import SemanticPager
+from icecache.indexes.registry import register_pager
+
+
+@register_pager("sequential")
+class SequentialPager(SemanticPager):
+    """Quest-style pages in token order, scored by the channel-wise min/max bound."""
+
+    semantic = False
+
+    def __init__(self, head_dim: int, page_size: int = 16, seed: int = 0, *, record_moves: bool = False) -> None:
+        super().__init__(head_dim, page_size, seed, record_moves=record_moves)
+        self._kmin = torch.zeros(0, head_dim)  # [num_pages, d]
+        self._kmax = torch.zeros(0, head_dim)
+
+    def _build(self, keys: torch.Tensor) -> None:
+        self._kmin = torch.zeros(0, self.head_dim)
+        self._kmax = torch.zeros(0, self.head_dim)
+        self._append(keys, 0)
+
+    def _insert(self, keys: torch.Tensor, start: int) -> None:
+        self._append(keys, start)
+
+    def _append(self, keys: torch.Tensor, start: int) -> None:
+        P = self.page_size
+        m = keys.shape[0]
+        if m == 0:
+            return
+        taken = 0
+        fill = (P - start % P) % P  # room left in the last (partial) page
+        if fill and self._kmin.shape[0]:
+            taken = min(fill, m)
+            last = self._kmin.shape[0] - 1
+            page_id = int(self.table.page_of(start - 1))
+            for p in range(start, start + taken):
+                self.table.append(page_id, p)
+            chunk = keys[:taken]
+            self._kmin[last] = torch.minimum(self._kmin[last], chunk.amin(0))
+            self._kmax[last] = torch.maximum(self._kmax[last], chunk.amax(0))
+        rest = keys[taken:]
+        if rest.shape[0] == 0:
+            return
+        first = start + taken
+        num_new = -(-rest.shape[0] // P)
+        groups = [np.arange(first + i * P, min(first + (i + 1) * P, start + m)) for i in range(num_new)]
+        self.table.new_pages(groups)
+        pad = num_new * P - rest.shape[0]
+        lo = torch.cat([rest, rest.new_full((pad, self.head_dim), float("inf"))]).view(num_new, P, -1).amin(1)
+        hi = torch.cat([rest, rest.new_full((pad, self.head_dim), float("-inf"))]).view(num_new, P, -1).amax(1)
+        self._kmin = torch.cat([self._kmin, lo])
+        self._kmax = torch.cat([self._kmax, hi])
+
+    def page_bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Channel-wise key minimum and maximum per page, each ``[num_pages, d]`` (page i = row i)."""
+        return self._kmin, self._kmax
+
+    def _rank_pages(self, queries: torch.Tensor, budget: int) -> tuple[np.ndarray, np.ndarray]:
+        # [g, pages, d] -> bound per (query, page) -> max over the group.
+        q = queries[:, None, :]
+        bound = torch.maximum(q * self._kmin[None], q * self._kmax[None]).sum(-1).amax(0)  # [pages]
+        k = min(budget, bound.numel())  # every page holds >= 1 token, so at most `budget` can fit
+        order = torch.sort(-bound, stable=True).indices[:k].numpy()
+        return order.astype(np.int64), bound.numpy()[order]
+
+    def index_bytes(self) -> int:
+        return 2 * self._kmin.numel() * 4

@@ -1,0 +1,1 @@
+"""Runtime: host store, bulk loader, transformers integration, prefill pipeline, model loading."""

