@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: setup
-	$(VENV)/bin/icecache generate "Write one sentence about why the sky is blue." --max-new-tokens 32
+	$(VENV)/bin/icecache demo
 
 test: setup
 	$(PY) -m pytest -m "not slow" -q

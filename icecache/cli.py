@@ -81,27 +81,96 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    from icecache.runtime.generate import generate_full
-    from icecache.runtime.models import load_model
+def _ice_config(args: argparse.Namespace):
+    from icecache.core.config import IceCacheConfig
 
+    dense = tuple(int(x) for x in args.dense_layers.split(",") if x.strip()) if args.dense_layers is not None else (0, 1)
+    return IceCacheConfig(
+        budget=args.budget, page_size=args.page_size, sink=args.sink, window=args.window, index=args.index,
+        dense_layers=dense, reuse_every=args.reuse_every, threads=args.threads, seed=args.seed,
+    )
+
+
+def _print_stats(stats: dict, file=sys.stderr) -> None:
+    steps = max(stats.get("steps", 0), 1)
+    mib = 2**20
+    dev, full = stats["device_kv_bytes"], stats["full_kv_bytes"]
+    print(
+        f"KV on device: {dev / mib:.1f} MiB vs {full / mib:.1f} MiB for full attention "
+        f"({100 * dev / max(full, 1):.1f}%; layers: {stats['layers']}); host (offloaded): {stats['host_kv_bytes'] / mib:.1f} MiB",
+        file=file,
+    )
+    stages = ", ".join(f"{k} {1000 * v / steps:.1f}" for k, v in stats["stage_seconds"].items())
+    print(f"per decode step (ms): {stages}", file=file)
+    print(
+        f"bulk copies per layer step: {stats['copies_per_layer_step']:.2f}, page reuse {100 * stats['page_reuse_rate']:.0f}%, "
+        f"index build {stats['index_build_seconds']:.2f} s on worker threads (decode waited {stats['index_wait_seconds']:.2f} s)",
+        file=file,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
     import time
 
+    from icecache.runtime.generate import generate
+    from icecache.runtime.models import load_model
+
+    config = None if args.full else _ice_config(args)
     t0 = time.perf_counter()
     model, tokenizer = load_model(args.model)
     load_s = time.perf_counter() - t0
-    res = generate_full(model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens, chat=not args.no_chat)
+    res = generate(model, tokenizer, args.prompt, config=config, max_new_tokens=args.max_new_tokens,
+                   chat=not args.no_chat, return_result=True, progress=not args.json)
     if args.json:
         print(json.dumps({"text": res.text, "prompt_tokens": res.prompt_tokens, "new_tokens": res.new_tokens,
-                          "load_s": load_s, "seconds": res.seconds, "ttft_s": res.ttft_seconds, "tpot_s": res.tpot_seconds}))
+                          "load_s": load_s, "seconds": res.seconds, "ttft_s": res.ttft_seconds,
+                          "tt2t_s": res.tt2t_seconds, "tpot_s": res.tpot_seconds, "stats": res.stats}))
         return 0
     print(res.text)
+    mode = "full attention" if config is None else f"icecache {config.index} budget {config.budget}"
     print(
-        f"[full attention] model load {load_s:.1f} s | prompt {res.prompt_tokens} tokens | "
-        f"{res.new_tokens} new tokens in {res.seconds:.2f} s (TTFT {res.ttft_seconds:.2f} s, TPOT {1000 * res.tpot_seconds:.1f} ms)",
+        f"[{mode}] model load {load_s:.1f} s | prompt {res.prompt_tokens} tokens | {res.new_tokens} new tokens in "
+        f"{res.seconds:.2f} s (TTFT {res.ttft_seconds:.2f} s, TPOT {1000 * res.tpot_seconds:.1f} ms)",
         file=sys.stderr,
     )
+    if res.stats:
+        _print_stats(res.stats)
     return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """A ~4k-token passkey prompt answered with IceCache at a tiny budget."""
+    from icecache.eval.passkey import make_passkey, passkey_correct
+    from icecache.runtime.generate import generate
+    from icecache.runtime.models import load_model
+
+    config = _ice_config(args)
+    print(f"loading the embedded model ...", file=sys.stderr)
+    model, tokenizer = load_model(args.model)
+    sample = make_passkey(tokenizer, args.tokens, depth=args.depth, seed=args.seed)
+    print(f"passkey prompt: {sample.num_tokens} tokens, key hidden at depth {sample.depth:.0%}; "
+          f"IceCache index={config.index} budget={config.budget} page_size={config.page_size} "
+          f"sink={config.sink} window={config.window}", file=sys.stderr)
+    res = generate(model, tokenizer, sample.prompt, config=config, max_new_tokens=8, chat=False,
+                   return_result=True, progress=True)
+    ok = passkey_correct(sample, res.text)
+    print(f"answer: {res.text.strip()!r}   expected: {sample.answer}   -> {'CORRECT' if ok else 'WRONG'}")
+    print(f"prefill {res.ttft_seconds:.1f} s, TPOT {1000 * res.tpot_seconds:.0f} ms", file=sys.stderr)
+    _print_stats(res.stats, file=sys.stdout)
+    return 0
+
+
+def _add_ice_options(p: argparse.ArgumentParser, budget: int = 256) -> None:
+    g = p.add_argument_group("IceCache")
+    g.add_argument("--index", default="mdci", help="pager backend (icecache info lists them; default mdci)")
+    g.add_argument("--budget", type=int, default=budget, help=f"middle tokens attended per layer and KV head (default {budget})")
+    g.add_argument("--page-size", type=int, default=16, help="tokens per page (default 16)")
+    g.add_argument("--sink", type=int, default=4, help="first tokens always on the device (default 4)")
+    g.add_argument("--window", type=int, default=64, help="recent tokens always on the device (default 64)")
+    g.add_argument("--dense-layers", default=None, help="comma-separated layers that keep full KV (default 0,1)")
+    g.add_argument("--reuse-every", type=int, default=1, help="IceCache(r): reuse a selection for r layers (default 1)")
+    g.add_argument("--threads", type=int, default=0, help="CPU threads for index work (default: all)")
+    g.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -113,13 +182,22 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true", help="machine-readable output")
     info.set_defaults(func=cmd_info)
 
-    gen = sub.add_parser("generate", help="generate a continuation of a prompt")
+    gen = sub.add_parser("generate", help="generate a continuation of a prompt with IceCache (or --full)")
     gen.add_argument("prompt", help="the prompt text")
+    gen.add_argument("--full", action="store_true", help="plain full attention instead of IceCache")
+    _add_ice_options(gen)
     gen.add_argument("--model", default=None, help="model name, .gguf file or model directory (default: the embedded model)")
     gen.add_argument("--max-new-tokens", type=_positive_int, default=32, help="tokens to generate (default 32)")
     gen.add_argument("--no-chat", action="store_true", help="do not wrap the prompt in the chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     gen.set_defaults(func=cmd_generate)
+
+    demo = sub.add_parser("demo", help="passkey retrieval from a ~4k-token prompt with IceCache at budget 64")
+    demo.add_argument("--model", default=None, help="model (default: the embedded model)")
+    demo.add_argument("--tokens", type=_positive_int, default=4096, help="prompt length in tokens (default 4096)")
+    demo.add_argument("--depth", type=float, default=0.5, help="relative depth of the key (default 0.5)")
+    _add_ice_options(demo, budget=64)
+    demo.set_defaults(func=cmd_demo)
 
     bench = sub.add_parser("bench", help="benchmarks: `icecache bench index --help`", add_help=False)
     bench.add_argument("what", choices=["index"], help="which benchmark")

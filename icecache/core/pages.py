@@ -17,6 +17,7 @@ holding page-shaped K/V blocks can replay them (``record_moves=True``; drained w
 
     Move(position, src_page, src_slot, dst_page, dst_slot)
     src_page == -1  ->  a new position (its K/V comes from the caller)
+    dst_page == -1  ->  the position left the table (`remove`)
 
 Replaying moves in order is always safe: a move reads its source slot before any later move can
 overwrite it (splits move into a fresh page; removals move the last slot into the hole afterwards).
@@ -230,6 +231,8 @@ class PageTable:
         self.page_of_[position] = -1
         self.slot_of_[position] = -1
         self._num_positions -= 1
+        if self.record_moves:
+            self._moves.append(Move(position, page_id, slot, -1, -1))
         self._close_hole(page_id, slot)
 
     def split(self, page_id: int, move_slots: Sequence[int] | np.ndarray | None = None) -> int:

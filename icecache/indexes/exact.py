@@ -18,18 +18,29 @@ class ExactPager(SemanticPager):
 
     def __init__(self, head_dim: int, page_size: int = 16, seed: int = 0, *, record_moves: bool = False) -> None:
         super().__init__(head_dim, page_size, seed, record_moves=record_moves)
-        self._keys = torch.zeros(0, head_dim)
+        self._buf = torch.zeros(0, head_dim)  # capacity-doubling key storage; rows [0, n) are live
+        self._keys = self._buf
 
     def _table_page_size(self) -> int:
         return 1
 
     def _build(self, keys: torch.Tensor) -> None:
-        self._keys = keys.clone()
+        self._buf = keys.clone()
+        self._keys = self._buf
         self.table.new_pages(np.arange(keys.shape[0]).reshape(-1, 1))
 
     def _insert(self, keys: torch.Tensor, start: int) -> None:
-        self._keys = torch.cat([self._keys, keys])
-        self.table.new_pages(np.arange(start, start + keys.shape[0]).reshape(-1, 1))
+        n = start + keys.shape[0]
+        if n > self._buf.shape[0]:
+            grown = torch.empty(max(n, 2 * self._buf.shape[0], 64), self.head_dim)
+            grown[:start] = self._buf[:start]
+            self._buf = grown
+        self._buf[start:n] = keys
+        self._keys = self._buf[:n]
+        if keys.shape[0] == 1:
+            self.table.new_page((start,))
+        else:
+            self.table.new_pages(np.arange(start, n).reshape(-1, 1))
 
     def _rank_pages(self, queries: torch.Tensor, budget: int) -> tuple[np.ndarray, np.ndarray]:
         scores = (queries @ self._keys.T).amax(dim=0)  # [n]

@@ -49,8 +49,9 @@ class SequentialPager(SemanticPager):
             for p in range(start, start + taken):
                 self.table.append(page_id, p)
             chunk = keys[:taken]
-            self._kmin[last] = torch.minimum(self._kmin[last], chunk.amin(0))
-            self._kmax[last] = torch.maximum(self._kmax[last], chunk.amax(0))
+            lo, hi = self._kmin[last], self._kmax[last]
+            torch.minimum(lo, chunk.amin(0), out=lo)
+            torch.maximum(hi, chunk.amax(0), out=hi)
         rest = keys[taken:]
         if rest.shape[0] == 0:
             return

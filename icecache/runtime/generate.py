@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
+
+from icecache.core.config import IceCacheConfig
 
 
 @dataclass
@@ -18,6 +21,7 @@ class GenerationResult:
     new_tokens: int
     seconds: float
     ttft_seconds: float
+    tt2t_seconds: float = float("nan")
     token_ids: list[int] = field(default_factory=list)
     stats: dict[str, Any] = field(default_factory=dict)
 
@@ -38,29 +42,103 @@ def encode_prompt(tokenizer: Any, prompt: str, chat: bool = True) -> dict[str, t
     return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
 
 
-class _FirstTokenTimer:
-    """A transformers streamer that records when the first generated token arrives."""
+class _TokenClock:
+    """A transformers streamer that records when the first and second generated tokens arrive, and can
+    drive a progress bar over the new tokens."""
 
-    def __init__(self) -> None:
+    def __init__(self, total: int, progress: bool = False, desc: str = "decode") -> None:
         self.calls = 0
         self.first: float | None = None
+        self.second: float | None = None
+        self.bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, desc=desc, unit="tok", leave=False)
 
     def put(self, value: torch.Tensor) -> None:
-        self.calls += 1
-        if self.calls == 2 and self.first is None:  # call 1 is the prompt, call 2 the first new token
-            self.first = time.perf_counter()
+        self.calls += 1  # call 1 is the prompt, then one call per new token
+        now = time.perf_counter()
+        if self.calls == 2:
+            self.first = now
+        elif self.calls == 3:
+            self.second = now
+        if self.bar is not None and self.calls >= 2:
+            self.bar.update(1)
 
     def end(self) -> None:
-        pass
+        if self.bar is not None:
+            self.bar.close()
+
+
+@contextlib.contextmanager
+def icecache_attention(model: Any) -> Iterator[None]:
+    """Switch ``model`` to the "icecache" attention for the duration (restores the previous one)."""
+    from icecache.runtime.attention import ATTENTION_NAME, register
+
+    register()
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(ATTENTION_NAME)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
+
+
+@torch.inference_mode()
+def generate(
+    model: Any,
+    tokenizer: Any,
+    prompt: str,
+    *,
+    config: IceCacheConfig | None = None,
+    max_new_tokens: int = 32,
+    chat: bool = True,
+    return_result: bool = False,
+    progress: bool = False,
+) -> str | GenerationResult:
+    """Greedy generation with IceCache (or full attention when ``config`` is None).
+
+    Returns the continuation text only, or a `GenerationResult` (times, token ids, ``cache.stats()``) when
+    ``return_result``. The model's attention implementation is switched to "icecache" for the call and
+    restored afterwards; the cache's worker threads are stopped before returning.
+    """
+    from icecache.runtime.cache import IceCache
+
+    if config is None:
+        res = generate_full(model, tokenizer, prompt, max_new_tokens=max_new_tokens, chat=chat, progress=progress)
+        return res if return_result else res.text
+    enc = encode_prompt(tokenizer, prompt, chat)
+    clock = _TokenClock(max_new_tokens, progress, desc=f"icecache {config.index}@{config.budget}")
+    with icecache_attention(model), IceCache(model.config, config) as cache:
+        t0 = time.perf_counter()
+        out = model.generate(
+            **enc, past_key_values=cache, max_new_tokens=max_new_tokens, do_sample=False, streamer=clock,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        t1 = time.perf_counter()
+        stats = cache.stats()
+    new = out[0, enc["input_ids"].shape[1] :]
+    res = GenerationResult(
+        text=tokenizer.decode(new, skip_special_tokens=True),
+        prompt_tokens=int(enc["input_ids"].shape[1]),
+        new_tokens=int(new.numel()),
+        seconds=t1 - t0,
+        ttft_seconds=(clock.first or t1) - t0,
+        tt2t_seconds=(clock.second or t1) - t0,
+        token_ids=new.tolist(),
+        stats=stats,
+    )
+    return res if return_result else res.text
 
 
 @torch.inference_mode()
 def generate_full(
-    model: Any, tokenizer: Any, prompt: str, *, max_new_tokens: int = 32, chat: bool = True
+    model: Any, tokenizer: Any, prompt: str, *, max_new_tokens: int = 32, chat: bool = True, progress: bool = False
 ) -> GenerationResult:
     """Greedy generation with the model's own (full) attention; the baseline every method is compared with."""
     enc = encode_prompt(tokenizer, prompt, chat)
-    timer = _FirstTokenTimer()
+    timer = _TokenClock(max_new_tokens, progress, desc="full attention")
     t0 = time.perf_counter()
     out = model.generate(
         **enc, max_new_tokens=max_new_tokens, do_sample=False, streamer=timer, pad_token_id=tokenizer.pad_token_id
@@ -73,5 +151,6 @@ def generate_full(
         new_tokens=int(new.numel()),
         seconds=t1 - t0,
         ttft_seconds=(timer.first or t1) - t0,
+        tt2t_seconds=(timer.second or t1) - t0,
         token_ids=new.tolist(),
     )

@@ -1,0 +1,67 @@
+"""The ``"icecache"`` attention function, registered in transformers' `AttentionInterface` and
+`AttentionMaskInterface` when `icecache` is imported.
+
+Prefill (``q_len > 1``) and dense / sliding layers run transformers' own SDPA attention on the K/V the cache
+returned. Decode (``q_len == 1``) on a sparse layer attends over the layer's device buffer (sink + selected
+pages + window) after selection and bulk loading. Without an IceCache (a plain `DynamicCache`, or
+``use_cache=False``) it is exactly SDPA.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from icecache.core.errors import CacheMisuseError
+from icecache.runtime import link
+
+ATTENTION_NAME = "icecache"
+_UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks")
+
+
+def _valid_from_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """Non-padding tokens ``[B, T]`` from the prefill mask ``[B, 1, q, T]`` (bool or additive float)."""
+    if mask is None:
+        return None
+    last = mask[:, 0, -1, :]
+    return last if last.dtype == torch.bool else last == 0
+
+
+def icecache_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Attention for one layer. ``query`` ``[B, Hq, q, D]``; returns ``([B, q, Hq, D], None)``."""
+    pending = link.consume()
+    if pending is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    cache, layer_idx = pending
+    if layer_idx != getattr(module, "layer_idx", layer_idx):
+        raise CacheMisuseError(f"IceCache was updated for layer {layer_idx} but attention runs layer {module.layer_idx}")
+    for name in _UNSUPPORTED_KWARGS:
+        if kwargs.get(name) is not None:
+            raise CacheMisuseError(f"IceCache does not support the attention feature {name!r} of this model")
+    kind = cache.kind[layer_idx]
+    if kind != "sparse" or query.shape[2] > 1:
+        out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        if kind == "sparse":
+            cache.layers[layer_idx].finish_prefill(_valid_from_mask(attention_mask))
+        return out
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return cache.layers[layer_idx].attend(query, scale, cache.shared_selection(layer_idx)), None
+
+
+def register() -> None:
+    """Register ``"icecache"`` with transformers (idempotent)."""
+    AttentionInterface.register(ATTENTION_NAME, icecache_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)

