@@ -160,6 +160,42 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    import time
+
+    from icecache.eval.runner import EvalSpec, markdown, parse_length, run_eval, summarize, write_results
+    from icecache.runtime.models import load_model
+
+    t0 = time.perf_counter()
+    spec = EvalSpec(
+        task=args.task,
+        methods=[m.strip() for m in args.methods.split(",") if m.strip()],
+        budgets=[int(b) for b in args.budgets.split(",") if b.strip()],
+        lengths=[parse_length(x) for x in args.lengths.split(",") if x.strip()],
+        samples=args.samples,
+        seed=args.seed,
+        config=_ice_config(args),
+        decode_tokens=args.decode_tokens,
+        **({"variants": args.variants.split(",")} if args.variants else {}),
+        **({"depths": [float(d) for d in args.depths.split(",")]} if args.depths else {}),
+    )
+    model, tokenizer = load_model(args.model)
+    rows = run_eval(model, tokenizer, spec, progress=not args.json)
+    summary = summarize(rows, seed=args.seed)
+    wall = time.perf_counter() - t0
+    if args.out:
+        import shlex
+
+        header = f"Command: `icecache {' '.join(shlex.quote(a) for a in sys.argv[1:])}`\n\nWall time: {wall:.0f} s\n"
+        write_results(rows, summary, args.out, header)
+    if args.json:
+        print(json.dumps({"summary": summary}, default=str))
+    else:
+        print(markdown(summary))
+        print(f"wall time {wall:.0f} s", file=sys.stderr)
+    return 0
+
+
 def _add_ice_options(p: argparse.ArgumentParser, budget: int = 256) -> None:
     g = p.add_argument_group("IceCache")
     g.add_argument("--index", default="mdci", help="pager backend (icecache info lists them; default mdci)")
@@ -198,6 +234,22 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--depth", type=float, default=0.5, help="relative depth of the key (default 0.5)")
     _add_ice_options(demo, budget=64)
     demo.set_defaults(func=cmd_demo)
+
+    ev = sub.add_parser("eval", help="accuracy of methods x budgets x lengths on a task (passkey, needle, ppl, longgen)")
+    ev.add_argument("task", choices=["passkey", "needle", "ppl", "longgen"])
+    ev.add_argument("--methods", default="full,icecache,quest",
+                    help="comma-separated: full, exact, icecache, icecache-r, quest, streaming, snapkv, pqcache, icecache:<pager>")
+    ev.add_argument("--budgets", default="64,128,256", help="comma-separated budgets (default 64,128,256)")
+    ev.add_argument("--lengths", default="2k,4k", help="comma-separated prompt lengths, e.g. 2k,4k,8k (k = 1000 tokens)")
+    ev.add_argument("--samples", type=_positive_int, default=5, help="samples per length (and variant)")
+    ev.add_argument("--variants", default=None, help="needle variants (default single,multikey,multivalue)")
+    ev.add_argument("--depths", default=None, help="passkey depths (default 0.1,0.3,0.5,0.7,0.9)")
+    ev.add_argument("--decode-tokens", type=_positive_int, default=256, help="ppl: forced tokens; longgen: generated tokens")
+    ev.add_argument("--model", default=None, help="model (default: the embedded model)")
+    ev.add_argument("--out", default=None, help="directory for rows.csv, summary.csv, results.json, results.md")
+    ev.add_argument("--json", action="store_true", help="print the summary as JSON")
+    _add_ice_options(ev)
+    ev.set_defaults(func=cmd_eval)
 
     bench = sub.add_parser("bench", help="benchmarks: `icecache bench index --help`", add_help=False)
     bench.add_argument("what", choices=["index"], help="which benchmark")

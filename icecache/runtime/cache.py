@@ -78,13 +78,12 @@ class IceCacheLayer(CacheLayerMixin):
         self.buf_v = torch.zeros_like(self.buf_k)
         self.buf_valid = torch.zeros(B, H, L, dtype=torch.bool, device=self.device)
         pin = self.device.type == "cuda"
-        self.pagers = [
-            [
-                make_pager(cfg.index, head_dim=D, page_size=cfg.page_size, seed=cfg.seed, record_moves=True, **cfg.index_params)
-                for _ in range(H)
-            ]
-            for _ in range(B)
-        ]
+        factory = self.cache.pager_factory
+        self.pagers = [[factory(self.layer_idx, b, h, D) for h in range(H)] for b in range(B)]
+        for row in self.pagers:
+            for p in row:
+                if not p.table.record_moves:
+                    raise CacheMisuseError("a pager_factory must create pagers with record_moves=True")
         self.stores = [[HeadStore(p.table, D, self.dtype, pin=pin) for p in row] for row in self.pagers]
         self.loader = BulkLoader(self.buf_k, self.buf_v, self.buf_valid, self.S, self.budget)
         self.pad = np.zeros(B, dtype=np.int64)
@@ -303,7 +302,7 @@ class IceCache(Cache):
     its worker threads; `stats` reports times, bytes and memory.
     """
 
-    def __init__(self, model_config: Any, config: IceCacheConfig | None = None) -> None:
+    def __init__(self, model_config: Any, config: IceCacheConfig | None = None, *, pager_factory: Any = None) -> None:
         self.ice = config if config is not None else IceCacheConfig()
         if not isinstance(self.ice, IceCacheConfig):
             raise ConfigError(f"config must be an IceCacheConfig, got {type(self.ice).__name__}")
@@ -317,6 +316,7 @@ class IceCache(Cache):
         H = text_cfg.num_key_value_heads or text_cfg.num_attention_heads
         D = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads
         types = list(getattr(text_cfg, "layer_types", None) or ["full_attention"] * n_layers)
+        self.pager_factory = pager_factory or self._default_pager
         self.pipeline = PrefillPipeline(self.ice.num_threads)
         self.timer = StageTimer()
         layers: list[CacheLayerMixin] = []
@@ -345,6 +345,31 @@ class IceCache(Cache):
         self._t_prefill_done: float | None = None
         self.closed = False
         self._finalizer = weakref.finalize(self, PrefillPipeline.close, self.pipeline)
+
+    def _default_pager(self, layer_idx: int, row: int, kv_head: int, head_dim: int) -> Any:
+        cfg = self.ice
+        return make_pager(cfg.index, head_dim=head_dim, page_size=cfg.page_size, seed=cfg.seed, record_moves=True, **cfg.index_params)
+
+    def load_prefill(self, past_key_values: Any, attention_mask: torch.Tensor | None = None) -> "IceCache":
+        """Start from an already computed dense prefill (a `DynamicCache`) instead of running it again.
+
+        Prefill is dense for every method, so evaluations prefill once and hand the same K/V to each
+        method's cache; the result is identical to prefilling through this cache. ``attention_mask`` ``[B, T]``
+        marks real tokens (left padding). Returns ``self``; decode with ``model(next_token, past_key_values=self)``.
+        """
+        if any(l.is_initialized for l in self.layers):
+            raise CacheMisuseError("load_prefill needs a fresh IceCache")
+        for i, (layer, kind) in enumerate(zip(self.layers, self.kind)):
+            src = past_key_values.layers[i]
+            k, v = src.keys, src.values
+            if kind == "sliding" and hasattr(src, "cumulative_length"):  # already truncated to its window
+                layer.lazy_initialization(k, v)
+                layer.keys, layer.values, layer.cumulative_length = k, v, src.cumulative_length
+                continue
+            layer.update(k, v)
+            if kind == "sparse":
+                layer.finish_prefill(attention_mask.bool() if attention_mask is not None else None)
+        return self
 
     # ------------------------------------------------------------------ model checks
     @staticmethod

@@ -1,0 +1,112 @@
+"""Evaluation plumbing: prefill a prompt once, then decode it under any number of methods.
+
+Prefill is dense for every method, so the harness runs it once per sample (`run_prefill`, which also
+records the observation-window queries SnapKV needs) and hands the same K/V to each method's cache
+(`IceCache.load_prefill`); the results are identical to prefilling through each cache, at a fraction of
+the cost. Decoding is a plain greedy loop (`decode_greedy`) or teacher forcing (`decode_forced`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+from transformers import AttentionInterface, DynamicCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from icecache.runtime.attention import ATTENTION_NAME, icecache_attention, register
+
+_CAPTURE_NAME = "icecache_obs_capture"
+
+
+@dataclass
+class Prefill:
+    """A prompt's dense prefill, shared by every method evaluated on it."""
+
+    input_ids: torch.Tensor  # [1, T]
+    kv: DynamicCache  # full K/V of the prompt (never mutated: methods get copies)
+    last_logits: torch.Tensor  # [V] logits after the last prompt token
+    obs_queries: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [Hq, w, D] (post-RoPE)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[1])
+
+
+class _QueryCapture:
+    """Attention function that records the last ``window`` queries of each layer, then runs IceCache/SDPA."""
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self.queries: dict[int, torch.Tensor] = {}
+
+    def __call__(self, module, query, key, value, attention_mask, **kwargs):
+        if query.shape[2] > 1:
+            self.queries[module.layer_idx] = query[0, :, -self.window :, :].detach().clone()
+        return icecache_attention(module, query, key, value, attention_mask, **kwargs)
+
+
+@contextlib.contextmanager
+def attention_impl(model: Any, name: str) -> Iterator[None]:
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
+
+
+@torch.inference_mode()
+def run_prefill(model: Any, input_ids: torch.Tensor, obs_window: int = 64) -> Prefill:
+    """Dense prefill of ``input_ids`` ``[1, T]`` with a plain `DynamicCache`."""
+    capture = _QueryCapture(obs_window)
+    AttentionInterface.register(_CAPTURE_NAME, capture)
+    AttentionMaskInterface.register(_CAPTURE_NAME, sdpa_mask)
+    kv = DynamicCache()
+    with attention_impl(model, _CAPTURE_NAME):
+        out = model(input_ids, past_key_values=kv, use_cache=True, logits_to_keep=1)
+    return Prefill(input_ids=input_ids, kv=kv, last_logits=out.logits[0, -1].float(), obs_queries=capture.queries)
+
+
+def clone_kv(kv: DynamicCache) -> DynamicCache:
+    """A `DynamicCache` holding the same prompt K/V that later decoding can extend independently."""
+    out = DynamicCache()
+    for i, layer in enumerate(kv.layers):
+        out.update(layer.keys, layer.values, i)
+    return out
+
+
+@torch.inference_mode()
+def decode_greedy(model: Any, cache: Any, first_logits: torch.Tensor, steps: int, stop_ids: set[int] | None = None) -> list[int]:
+    """Greedy tokens after the prompt (the first comes from ``first_logits``); stops early at ``stop_ids``."""
+    register()
+    tokens: list[int] = []
+    logits = first_logits
+    with attention_impl(model, ATTENTION_NAME):
+        for i in range(steps):
+            tok = int(logits.argmax())
+            tokens.append(tok)
+            if (stop_ids and tok in stop_ids) or i == steps - 1:
+                break
+            out = model(torch.tensor([[tok]]), past_key_values=cache, use_cache=True)
+            logits = out.logits[0, -1].float()
+    return tokens
+
+
+@torch.inference_mode()
+def decode_forced(model: Any, cache: Any, first_logits: torch.Tensor, targets: list[int]) -> torch.Tensor:
+    """Teacher forcing: negative log-likelihood of each of ``targets`` given everything before it, ``[N]``."""
+    register()
+    nll = torch.empty(len(targets))
+    logits = first_logits
+    with attention_impl(model, ATTENTION_NAME):
+        for i, tok in enumerate(targets):
+            nll[i] = -torch.log_softmax(logits, dim=-1)[tok]
+            if i == len(targets) - 1:
+                break
+            out = model(torch.tensor([[tok]]), past_key_values=cache, use_cache=True)
+            logits = out.logits[0, -1].float()
+    return nll

@@ -1,0 +1,148 @@
+"""The methods we compare, behind one interface, all at the same budget, sink and window (ICECACHE.md 2).
+
+    full        dense attention over the whole cache (a plain DynamicCache)
+    exact       oracle: the top-B middle tokens by q.k (max over the GQA group), every step
+    icecache    semantic pages from the M-DCI index (``icecache:<pager>`` uses another registered pager)
+    icecache-r  IceCache(r): one selection reused by ``reuse_every`` consecutive layers
+    quest       token-order pages of P tokens ranked by Quest's min/max bound, every step
+    streaming   StreamingLLM: sink + the most recent W + B tokens (the same device KV as the others)
+    snapkv      SnapKV: prefill-time eviction; the observation window's pooled attention keeps B middle
+                tokens for good, later tokens leaving the window are evicted
+    pqcache     PQCache: product-quantised keys, top-B tokens by approximate attention, every step
+
+Every method except ``full`` runs through `IceCache`, so the device holds the same sink + window + budget
+slots; they differ only in which middle tokens fill the budget slots.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from icecache.core.config import IceCacheConfig
+from icecache.core.errors import UnknownNameError
+from icecache.core.pager import SemanticPager
+from icecache.eval.harness import Prefill, clone_kv
+from icecache.indexes.registry import available_pagers
+from icecache.runtime.cache import IceCache
+
+
+class FixedScorePager(SemanticPager):
+    """Single-token pages ranked by scores fixed at construction (prefill-time eviction policies).
+
+    ``scores`` ``[n]`` rank the ``n`` keys given to `build`; positions inserted later score -inf (evicted:
+    never selected), as in a one-shot eviction method that keeps its prefill choice.
+    """
+
+    semantic = False
+
+    def __init__(self, head_dim: int, scores: np.ndarray, *, record_moves: bool = True) -> None:
+        super().__init__(head_dim, page_size=1, seed=0, record_moves=record_moves)
+        self._scores = np.asarray(scores, dtype=np.float64)
+
+    def _table_page_size(self) -> int:
+        return 1
+
+    def _build(self, keys: torch.Tensor) -> None:
+        if keys.shape[0] != len(self._scores):
+            raise ValueError(f"FixedScorePager got {keys.shape[0]} keys for {len(self._scores)} scores")
+        self.table.new_pages(np.arange(keys.shape[0]).reshape(-1, 1))
+
+    def _insert(self, keys: torch.Tensor, start: int) -> None:
+        self._scores = np.concatenate([self._scores, np.full(keys.shape[0], -np.inf)])
+        self.table.new_pages(np.arange(start, start + keys.shape[0]).reshape(-1, 1))
+
+    def _rank_pages(self, queries: torch.Tensor, budget: int) -> tuple[np.ndarray, np.ndarray]:
+        finite = np.flatnonzero(np.isfinite(self._scores))
+        order = finite[np.lexsort((finite, -self._scores[finite]))][:budget]
+        return np.asarray(self.table.page_of(order)), self._scores[order]
+
+
+def snapkv_scores(prefill: Prefill, layer_idx: int, kv_head: int, n_rep: int, kernel: int = 5) -> np.ndarray:
+    """SnapKV importance of every prompt position for one (layer, KV head), ``[T]``.
+
+    The observation window's queries attend (causally) to the prompt; attention is summed over the window,
+    averaged over the GQA group (as kvpress does), and average-pooled with ``kernel`` so that neighbours of
+    important tokens survive (Li et al., 2024, arXiv 2404.14469).
+    """
+    q = prefill.obs_queries[layer_idx][kv_head * n_rep : (kv_head + 1) * n_rep].float()  # [n_rep, w, D]
+    K = prefill.kv.layers[layer_idx].keys[0, kv_head].float()  # [T, D]
+    T, w = K.shape[0], q.shape[1]
+    logits = q @ K.T / math.sqrt(K.shape[-1])  # [n_rep, w, T]
+    qpos = torch.arange(T - w, T)[:, None]
+    logits = logits.masked_fill(torch.arange(T)[None, :] > qpos, float("-inf"))
+    attn = torch.softmax(logits, dim=-1).sum(1).mean(0)  # [T]
+    pooled = torch.nn.functional.avg_pool1d(attn[None, None], kernel, stride=1, padding=kernel // 2)[0, 0]
+    return pooled[:T].double().numpy()
+
+
+@dataclass(frozen=True)
+class Method:
+    """A named way of filling the budget slots."""
+
+    name: str
+    make: Callable[[Any, Prefill, IceCacheConfig], Any]
+    uses_budget: bool = True
+
+    def cache(self, model: Any, prefill: Prefill, config: IceCacheConfig) -> Any:
+        return self.make(model, prefill, config)
+
+
+def _ice(index: str, **changes: Any) -> Callable[[Any, Prefill, IceCacheConfig], Any]:
+    def make(model: Any, prefill: Prefill, cfg: IceCacheConfig) -> IceCache:
+        return IceCache(model.config, cfg.replace(index=index, **changes)).load_prefill(prefill.kv)
+
+    return make
+
+
+def _full(model: Any, prefill: Prefill, cfg: IceCacheConfig) -> Any:
+    return clone_kv(prefill.kv)
+
+
+def _streaming(model: Any, prefill: Prefill, cfg: IceCacheConfig) -> IceCache:
+    c = cfg.replace(index="sequential", window=cfg.window + cfg.budget, budget=0)
+    return IceCache(model.config, c).load_prefill(prefill.kv)
+
+
+def _snapkv(model: Any, prefill: Prefill, cfg: IceCacheConfig) -> IceCache:
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    n_rep = text.num_attention_heads // text.num_key_value_heads
+    T = prefill.num_tokens
+    S, W = cfg.sink, cfg.window
+    lo, hi = S, max(S, T - W)  # the prompt's middle positions
+
+    def factory(layer_idx: int, row: int, kv_head: int, head_dim: int) -> SemanticPager:
+        scores = snapkv_scores(prefill, layer_idx, kv_head, n_rep)[lo:hi]
+        return FixedScorePager(head_dim, scores)
+
+    return IceCache(model.config, cfg.replace(index="exact"), pager_factory=factory).load_prefill(prefill.kv)
+
+
+def get_method(name: str) -> Method:
+    """``full``, ``exact``, ``icecache``, ``icecache-r``, ``quest``, ``streaming``, ``snapkv``, ``pqcache``,
+    or ``icecache:<pager>`` for any registered pager."""
+    fixed: dict[str, Method] = {
+        "full": Method("full", _full, uses_budget=False),
+        "exact": Method("exact", _ice("exact")),
+        "icecache": Method("icecache", _ice("mdci")),
+        "icecache-r": Method("icecache-r", _ice("mdci", reuse_every=2)),
+        "quest": Method("quest", _ice("sequential")),
+        "streaming": Method("streaming", _streaming),
+        "snapkv": Method("snapkv", _snapkv),
+        "pqcache": Method("pqcache", _ice("pq")),
+    }
+    if name in fixed:
+        return fixed[name]
+    if name.startswith("icecache:"):
+        pager = name.split(":", 1)[1]
+        if pager not in available_pagers():
+            raise UnknownNameError(f"unknown pager {pager!r} in method {name!r}; known pagers: {available_pagers()}")
+        return Method(name, _ice(pager))
+    raise UnknownNameError(f"unknown method {name!r}; known: {sorted(fixed)} or icecache:<pager>")
+
+
+METHOD_NAMES = ("full", "exact", "icecache", "icecache-r", "quest", "streaming", "snapkv", "pqcache")
