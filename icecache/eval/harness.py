@@ -9,6 +9,7 @@ the cost. Decoding is a plain greedy loop (`decode_greedy`) or teacher forcing (
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -37,16 +38,28 @@ class Prefill:
 
 
 class _QueryCapture:
-    """Attention function that records the last ``window`` queries of each layer, then runs IceCache/SDPA."""
+    """Attention function that records the last ``window`` prefill queries of each layer, then runs the
+    IceCache/SDPA attention. Registered once; each `run_prefill` points it at its own (thread-local) record,
+    so wrappers installed by other libraries (kvpress patches every registered function) keep working."""
 
-    def __init__(self, window: int) -> None:
-        self.window = window
-        self.queries: dict[int, torch.Tensor] = {}
+    def __init__(self) -> None:
+        self._local = threading.local()
 
-    def __call__(self, module, query, key, value, attention_mask, **kwargs):
-        if query.shape[2] > 1:
-            self.queries[module.layer_idx] = query[0, :, -self.window :, :].detach().clone()
-        return icecache_attention(module, query, key, value, attention_mask, **kwargs)
+    def begin(self, window: int) -> dict[int, torch.Tensor]:
+        self._local.window = window
+        self._local.queries = {}
+        return self._local.queries
+
+    def __call__(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        queries = getattr(self._local, "queries", None)
+        if queries is not None and query.shape[2] > 1:
+            queries[module.layer_idx] = query[0, :, -self._local.window :, :].detach().clone()
+        return icecache_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+
+
+_CAPTURE = _QueryCapture()
+AttentionInterface.register(_CAPTURE_NAME, _CAPTURE)
+AttentionMaskInterface.register(_CAPTURE_NAME, sdpa_mask)
 
 
 @contextlib.contextmanager
@@ -62,13 +75,15 @@ def attention_impl(model: Any, name: str) -> Iterator[None]:
 @torch.inference_mode()
 def run_prefill(model: Any, input_ids: torch.Tensor, obs_window: int = 64) -> Prefill:
     """Dense prefill of ``input_ids`` ``[1, T]`` with a plain `DynamicCache`."""
-    capture = _QueryCapture(obs_window)
-    AttentionInterface.register(_CAPTURE_NAME, capture)
-    AttentionMaskInterface.register(_CAPTURE_NAME, sdpa_mask)
+    queries = _CAPTURE.begin(obs_window)
     kv = DynamicCache()
-    with attention_impl(model, _CAPTURE_NAME):
-        out = model(input_ids, past_key_values=kv, use_cache=True, logits_to_keep=1)
-    return Prefill(input_ids=input_ids, kv=kv, last_logits=out.logits[0, -1].float(), obs_queries=capture.queries)
+    try:
+        with attention_impl(model, _CAPTURE_NAME):
+            out = model(input_ids, past_key_values=kv, use_cache=True, logits_to_keep=1)
+    finally:
+        _CAPTURE.begin(0)
+        _CAPTURE._local.queries = None
+    return Prefill(input_ids=input_ids, kv=kv, last_logits=out.logits[0, -1].float(), obs_queries=queries)
 
 
 def clone_kv(kv: DynamicCache) -> DynamicCache:
@@ -80,8 +95,15 @@ def clone_kv(kv: DynamicCache) -> DynamicCache:
 
 
 @torch.inference_mode()
-def decode_greedy(model: Any, cache: Any, first_logits: torch.Tensor, steps: int, stop_ids: set[int] | None = None) -> list[int]:
-    """Greedy tokens after the prompt (the first comes from ``first_logits``); stops early at ``stop_ids``."""
+def decode_greedy(
+    model: Any, cache: Any, first_logits: torch.Tensor, steps: int, stop_ids: set[int] | None = None,
+    start_position: int | None = None,
+) -> list[int]:
+    """Greedy tokens after the prompt (the first comes from ``first_logits``); stops early at ``stop_ids``.
+
+    ``start_position``: the RoPE position of the first generated token, for caches that evicted tokens and
+    report a physical length (kvpress); our caches report logical lengths and need none.
+    """
     register()
     tokens: list[int] = []
     logits = first_logits
@@ -91,7 +113,8 @@ def decode_greedy(model: Any, cache: Any, first_logits: torch.Tensor, steps: int
             tokens.append(tok)
             if (stop_ids and tok in stop_ids) or i == steps - 1:
                 break
-            out = model(torch.tensor([[tok]]), past_key_values=cache, use_cache=True)
+            kw = {} if start_position is None else {"position_ids": torch.tensor([[start_position + i]])}
+            out = model(torch.tensor([[tok]]), past_key_values=cache, use_cache=True, **kw)
             logits = out.logits[0, -1].float()
     return tokens
 

@@ -57,17 +57,17 @@ class FixedScorePager(SemanticPager):
         self.table.new_pages(np.arange(start, start + keys.shape[0]).reshape(-1, 1))
 
     def _rank_pages(self, queries: torch.Tensor, budget: int) -> tuple[np.ndarray, np.ndarray]:
-        finite = np.flatnonzero(np.isfinite(self._scores))
+        finite = np.flatnonzero(self._scores > -np.inf)  # -inf: evicted
         order = finite[np.lexsort((finite, -self._scores[finite]))][:budget]
         return np.asarray(self.table.page_of(order)), self._scores[order]
 
 
 def snapkv_scores(prefill: Prefill, layer_idx: int, kv_head: int, n_rep: int, kernel: int = 5) -> np.ndarray:
-    """SnapKV importance of every prompt position for one (layer, KV head), ``[T]``.
+    """SnapKV importance of the prompt positions before the observation window, ``[T - w]``.
 
-    The observation window's queries attend (causally) to the prompt; attention is summed over the window,
-    averaged over the GQA group (as kvpress does), and average-pooled with ``kernel`` so that neighbours of
-    important tokens survive (Li et al., 2024, arXiv 2404.14469).
+    The window's queries attend (causally) to the whole prompt; each prefix position's attention is averaged
+    over the window, average-pooled with ``kernel`` so that neighbours of important tokens survive, and
+    averaged over the GQA group (as kvpress's `SnapKVPress` does; Li et al., 2024, arXiv 2404.14469).
     """
     q = prefill.obs_queries[layer_idx][kv_head * n_rep : (kv_head + 1) * n_rep].float()  # [n_rep, w, D]
     K = prefill.kv.layers[layer_idx].keys[0, kv_head].float()  # [T, D]
@@ -75,9 +75,9 @@ def snapkv_scores(prefill: Prefill, layer_idx: int, kv_head: int, n_rep: int, ke
     logits = q @ K.T / math.sqrt(K.shape[-1])  # [n_rep, w, T]
     qpos = torch.arange(T - w, T)[:, None]
     logits = logits.masked_fill(torch.arange(T)[None, :] > qpos, float("-inf"))
-    attn = torch.softmax(logits, dim=-1).sum(1).mean(0)  # [T]
-    pooled = torch.nn.functional.avg_pool1d(attn[None, None], kernel, stride=1, padding=kernel // 2)[0, 0]
-    return pooled[:T].double().numpy()
+    attn = torch.softmax(logits, dim=-1)[..., : T - w].mean(1)  # [n_rep, T - w]
+    pooled = torch.nn.functional.avg_pool1d(attn[:, None], kernel, stride=1, padding=kernel // 2)[:, 0]
+    return pooled.mean(0).double().numpy()
 
 
 @dataclass(frozen=True)
@@ -116,8 +116,11 @@ def _snapkv(model: Any, prefill: Prefill, cfg: IceCacheConfig) -> IceCache:
     lo, hi = S, max(S, T - W)  # the prompt's middle positions
 
     def factory(layer_idx: int, row: int, kv_head: int, head_dim: int) -> SemanticPager:
-        scores = snapkv_scores(prefill, layer_idx, kv_head, n_rep)[lo:hi]
-        return FixedScorePager(head_dim, scores)
+        scores = snapkv_scores(prefill, layer_idx, kv_head, n_rep)  # positions [0, T - w)
+        mid = np.full(hi - lo, np.inf)  # the observation window is always kept (as in SnapKV)
+        n = min(len(scores), hi) - lo
+        mid[: max(n, 0)] = scores[lo : lo + max(n, 0)]
+        return FixedScorePager(head_dim, mid)
 
     return IceCache(model.config, cfg.replace(index="exact"), pager_factory=factory).load_prefill(prefill.kv)
 

@@ -1,0 +1,122 @@
+"""Evaluation harness: shared prefill equals a normal prefill, baselines agree with kvpress, a tiny slice runs."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from icecache import IceCache, IceCacheConfig
+from icecache.eval.harness import clone_kv, decode_forced, decode_greedy, run_prefill
+from icecache.eval.methods import FixedScorePager, get_method
+from icecache.eval.runner import EvalSpec, bootstrap, markdown, parse_length, run_eval, summarize, wilson
+from icecache.runtime.generate import icecache_attention
+
+from conftest import make_tiny_llama
+
+
+def test_wilson_and_bootstrap():
+    lo, hi = wilson(8, 10)
+    assert 0.49 < lo < 0.5 and 0.94 < hi < 0.95  # the textbook Wilson interval for 8/10
+    assert wilson(0, 5)[0] == 0.0 and wilson(5, 5)[1] == 1.0
+    lo, hi = bootstrap([1.0, 2.0, 3.0, 4.0], seed=1)
+    assert 1.0 <= lo < 2.5 < hi <= 4.0
+    assert math.isnan(bootstrap([1.0])[0])
+    assert parse_length("4k") == 4000 and parse_length("8192") == 8192
+
+
+def test_fixed_score_pager_keeps_its_choice_and_evicts_later_tokens():
+    p = FixedScorePager(4, np.array([0.1, 0.9, 0.5, 0.7]))
+    p.build(torch.randn(4, 4))
+    assert p.select(torch.randn(2, 4), 2).positions.tolist() == [1, 3]
+    p.insert(torch.randn(3, 4))
+    assert sorted(p.select(torch.randn(2, 4), 10).positions.tolist()) == [0, 1, 2, 3]  # new tokens evicted
+
+
+@pytest.mark.parametrize("name", ["exact", "quest", "streaming", "snapkv"])
+def test_load_prefill_equals_prefill_through_the_cache(name):
+    """Decoding from a shared prefill gives the same tokens/logits as prefilling through the method's cache."""
+    model = make_tiny_llama(seed=4)
+    ids = torch.randint(3, 128, (1, 150), generator=torch.Generator().manual_seed(2))
+    cfg = IceCacheConfig(budget=16, page_size=4, sink=4, window=16, dense_layers=(0,))
+    prefill = run_prefill(model, ids, obs_window=16)
+    cache = get_method(name).cache(model, prefill, cfg)
+    shared = decode_forced(model, cache, prefill.last_logits, list(range(3, 40)))
+    cache.close()
+    # reference: the same method's cache prefilled by the model itself
+    if name == "snapkv":
+        ref_cache = get_method(name).cache(model, run_prefill(model, ids, obs_window=16), cfg)
+        ref = decode_forced(model, ref_cache, prefill.last_logits, list(range(3, 40)))
+    else:
+        c = {"exact": cfg.replace(index="exact"), "quest": cfg.replace(index="sequential"),
+             "streaming": cfg.replace(index="sequential", window=32, budget=0)}[name]
+        ref_cache = IceCache(model.config, c)
+        with icecache_attention(model), torch.no_grad():
+            out = model(ids, past_key_values=ref_cache, use_cache=True)
+        ref = decode_forced(model, ref_cache, out.logits[0, -1].float(), list(range(3, 40)))
+    ref_cache.close()
+    torch.testing.assert_close(shared, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_full_method_clone_leaves_the_prefill_untouched():
+    model = make_tiny_llama()
+    ids = torch.randint(3, 128, (1, 60), generator=torch.Generator().manual_seed(0))
+    prefill = run_prefill(model, ids)
+    before = prefill.kv.layers[0].keys.clone()
+    a = decode_greedy(model, clone_kv(prefill.kv), prefill.last_logits, 10)
+    b = decode_greedy(model, clone_kv(prefill.kv), prefill.last_logits, 10)
+    assert a == b and torch.equal(prefill.kv.layers[0].keys, before) and prefill.kv.get_seq_length() == 60
+
+
+def test_kvpress_agrees_with_our_baselines_on_kept_tokens():
+    pytest.importorskip("kvpress")
+    from icecache.eval.kvpress_check import _kept_positions, _our_kept, _press
+
+    model = make_tiny_llama(seed=1)
+    ids = torch.randint(3, 128, (1, 400), generator=torch.Generator().manual_seed(3))
+    cfg = IceCacheConfig(budget=64, sink=4, window=32, dense_layers=())
+    prefill = run_prefill(model, ids, obs_window=cfg.window)
+    from transformers import DynamicCache
+
+    from icecache.eval.harness import attention_impl
+
+    for name, min_overlap in (("streaming", 1.0), ("snapkv", 0.9)):
+        ours = get_method(name).cache(model, prefill, cfg)
+        pressed = DynamicCache()
+        with _press(name, 1 - (4 + 32 + 64) / 400, cfg)(model), attention_impl(model, "sdpa"), torch.no_grad():
+            model(ids, past_key_values=pressed, use_cache=True)
+        overlaps = []
+        for layer in range(4):
+            for h in range(2):
+                a = set(_our_kept(ours, layer, h, 400).tolist())
+                b = set(_kept_positions(prefill.kv.layers[layer].keys[0, h], pressed.layers[layer].keys[0, h]).tolist())
+                overlaps.append(len(a & b) / len(a | b))
+        ours.close()
+        assert np.mean(overlaps) >= min_overlap, (name, overlaps)
+
+
+@pytest.mark.model
+def test_harness_slice_on_the_embedded_model(smollm2):
+    """One task, two methods, a tiny sample: the harness cannot silently break."""
+    model, tok = smollm2
+    spec = EvalSpec(task="passkey", methods=["full", "quest"], budgets=[64], lengths=[600], samples=2,
+                    config=IceCacheConfig(index="sequential"))
+    rows = run_eval(model, tok, spec, progress=False)
+    assert len(rows) == 4 and {r["method"] for r in rows} == {"full", "quest"}
+    summ = summarize(rows)
+    full = next(e for e in summ if e["method"] == "full")
+    assert full["score"] == 1.0 and full["n"] == 2  # the model finds the key with full attention at 600 tokens
+    quest = next(e for e in summ if e["method"] == "quest")
+    assert 0 < quest["device_kv_fraction"] < 1
+    assert "| quest | 64 |" in markdown(summ)
+
+
+def test_eval_spec_validates():
+    with pytest.raises(ValueError, match="task"):
+        EvalSpec(task="nope", methods=["full"], budgets=[64], lengths=[100])
+    with pytest.raises(ValueError, match="unknown method"):
+        EvalSpec(task="passkey", methods=["magic"], budgets=[64], lengths=[100])
+    s = EvalSpec(task="longgen", methods=["quest"], budgets=[64], lengths=[100])
+    assert s.methods[0] == "full"
