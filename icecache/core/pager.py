@@ -23,6 +23,9 @@ from icecache.core.pages import PageTable
 
 ArrayLike = torch.Tensor | np.ndarray
 
+#: Largest accepted |value| in keys and queries: squared norms of 1e15-sized entries still fit float32 sums.
+MAX_ABS = 1e15
+
 
 @dataclass(frozen=True)
 class PageSelection:
@@ -80,8 +83,12 @@ def as_float_matrix(x: Any, d: int, name: str, *, allow_empty: bool = True) -> t
         raise InputError(f"{name} must not be empty")
     x = x.detach().to(device="cpu", dtype=torch.float32).contiguous()
     # numpy's single-threaded check: torch's OpenMP version is ~50x slower on a busy 2-core machine.
-    if x.numel() and not bool(np.isfinite(x.numpy()).all()):
-        raise InputError(f"{name} holds NaN or inf values")
+    if x.numel():
+        a = x.numpy()
+        if not bool(np.isfinite(a).all()):
+            raise InputError(f"{name} holds NaN or inf values")
+        if float(np.abs(a).max()) > MAX_ABS:
+            raise InputError(f"{name} holds values with |x| > {MAX_ABS:g}, beyond what float32 scoring can hold")
     return x
 
 

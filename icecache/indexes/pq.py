@@ -44,7 +44,7 @@ class PQPager(SemanticPager):
         if not 1 <= bits <= 8:
             raise InputError(f"bits must be in [1, 8], got {bits}")
         self.num_subspaces, self.bits, self.train_iters = num_subspaces, bits, train_iters
-        self._small: torch.Tensor | None = None
+        self._small: torch.Tensor | None = torch.zeros(0, head_dim)  # untrained: keys kept until there are enough
         self._codes = np.zeros((0, num_subspaces), dtype=np.int64)
         self._centroids = torch.zeros(num_subspaces, 0, head_dim // num_subspaces)
 

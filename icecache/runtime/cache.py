@@ -199,6 +199,9 @@ class IceCacheLayer(CacheLayerMixin):
     # ------------------------------------------------------------------ decode
     def _decode_append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         cache = self.cache
+        fault = cache._fault_hooks.get("decode")
+        if fault is not None:
+            fault(self.layer_idx, self.length)
         cache.pipeline.wait(self.layer_idx)
         S, W, R = self.S, self.W, self.S + self.budget
         p = self.length
@@ -267,6 +270,9 @@ class IceCacheLayer(CacheLayerMixin):
                     indptrs.append(irow)
                 if shared is not None:
                     shared["positions"] = positions
+        fault = cache._fault_hooks.get("load")
+        if fault is not None:
+            fault(self.layer_idx, self.length)
         report = self.loader.load(self.stores, positions, indptrs, cache.timer)
         cache._account(self, report, positions, indptrs)
         with cache.timer.stage("attend"):
@@ -336,6 +342,9 @@ class IceCache(Cache):
         r = self.ice.reuse_every
         self.reuse_leader = {i: sparse[(j // r) * r] for j, i in enumerate(sparse)}
         self._shared: dict[int, dict[str, Any]] = {}
+        # Fault injection for reliability tests: name -> callable raising an exception.
+        # "build" (layer, row, head) runs in an index-build worker; "load" (layer, length) before the bulk
+        # loader; "decode" (layer, length) at the start of a decode step.
         self._fault_hooks: dict[str, Any] = {}
         self._trace_pages: dict[tuple[int, int, int], np.ndarray] = {}
         self.trace: list[dict[str, Any]] = []
@@ -432,10 +441,13 @@ class IceCache(Cache):
                     "bytes": n_copied * elt,
                 })
 
-    def device_kv_bytes(self) -> int:
-        """KV bytes resident on the device now (sparse buffers + dense and sliding layers' full KV)."""
+    def device_kv_bytes(self, kinds: tuple[str, ...] = ("sparse", "dense", "sliding")) -> int:
+        """KV bytes resident on the device now: sparse layers' buffers (fixed after prefill), dense layers'
+        full KV and sliding layers' window (restricted to the layer ``kinds`` given)."""
         total = 0
         for layer, kind in zip(self.layers, self.kind):
+            if kind not in kinds:
+                continue
             if kind == "sparse":
                 total += layer.device_bytes()
             elif layer.is_initialized and layer.keys is not None:

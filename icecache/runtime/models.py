@@ -173,9 +173,19 @@ def _load_dir(path: Path, dtype: torch.dtype, attn: str | None, trust_remote_cod
     kwargs: dict[str, Any] = {"dtype": dtype, "use_safetensors": True, "trust_remote_code": trust_remote_code}
     if attn is not None:
         kwargs["attn_implementation"] = attn
-    with _quiet_transformers(show_progress=False):
-        model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    if not any(path.glob("*.safetensors")):
+        pickles = [p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".pkl", ".ckpt")]
+        raise ModelLoadError(
+            f"{path} holds no .safetensors weights{' (only ' + ', '.join(pickles) + ')' if pickles else ''}; "
+            "icecache loads safetensors or GGUF only and never unpickles weights. Fix: convert the checkpoint "
+            "to safetensors (model.save_pretrained(dir, safe_serialization=True) in a trusted environment)"
+        )
+    try:
+        with _quiet_transformers(show_progress=False):
+            model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+            tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    except Exception as exc:
+        raise ModelLoadError(f"could not load the model directory {path}: {type(exc).__name__}: {exc!s:.300}") from exc
     return _finish(model, tokenizer)
 
 

@@ -1,0 +1,118 @@
+"""Soak: decode for a long time and check that nothing is lost, leaks or slows down.
+
+At every step: the sparse layers' device-resident KV bytes stay what they were after prefill (dense layers
+keep full KV and grow, by design), and host KV bytes grow by exactly
+one token's K/V per sparse layer and KV head. At checkpoints: the conservation invariant (every position in
+exactly one of sink / window / one host page) and, optionally, host KV equal to what a full cache holds.
+Reported: RSS slope, thread counts, TPOT after warm-up vs at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from icecache.core.config import IceCacheConfig
+from icecache.runtime.cache import IceCache
+from icecache.runtime.generate import icecache_attention
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@torch.inference_mode()
+def soak(model: Any, config: IceCacheConfig, prompt_tokens: int, new_tokens: int, checkpoint_every: int = 1000,
+         input_ids: torch.Tensor | None = None, verify_host: bool = False, progress: bool = False, seed: int = 0) -> dict[str, Any]:
+    """Prefill ``prompt_tokens`` (random ids unless ``input_ids``) and decode ``new_tokens`` greedily under
+    IceCache, checking invariants; returns the figures (see module docstring)."""
+    from tqdm.auto import tqdm
+
+    if input_ids is None:
+        vocab = model.config.get_text_config().vocab_size if hasattr(model.config, "get_text_config") else model.config.vocab_size
+        input_ids = torch.randint(3, vocab, (1, prompt_tokens), generator=torch.Generator().manual_seed(seed))
+    threads_start = threading.active_count()
+    rss_start = _rss_bytes()
+    cache = IceCache(model.config, config)
+    recorded: dict[int, list[torch.Tensor]] = {}
+    if verify_host:  # what a full cache would hold: every K the model hands to `update`
+        original = cache.update
+
+        def recording_update(k, v, layer_idx, kw=None):
+            recorded.setdefault(layer_idx, []).append(k[0].clone())
+            return original(k, v, layer_idx, kw)
+
+        cache.update = recording_update
+    sparse = [i for i, k in enumerate(cache.kind) if k == "sparse"]
+    report: dict[str, Any] = {"index": config.index, "prompt_tokens": int(input_ids.shape[1]), "new_tokens": new_tokens,
+                              "conservation_checks": 0, "host_checks": 0}
+    step_s, rss = [], []
+    try:
+        with icecache_attention(model):
+            t0 = time.perf_counter()
+            out = model(input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            report["prefill_seconds"] = time.perf_counter() - t0
+            tok = out.logits[0, -1].argmax().view(1, 1)
+            dev0 = None
+            host_prev = None
+            per_step = None
+            exact = True
+            bar = tqdm(total=new_tokens, desc=f"soak {config.index}", disable=not progress, unit="tok")
+            for i in range(new_tokens):
+                t1 = time.perf_counter()
+                out = model(tok, past_key_values=cache, use_cache=True)
+                tok = out.logits[0, -1].argmax().view(1, 1)
+                step_s.append(time.perf_counter() - t1)
+                dev, host = cache.device_kv_bytes(("sparse",)), cache.host_kv_bytes()
+                if dev0 is None:
+                    dev0 = dev
+                    layer = cache.layers[sparse[0]]
+                    per_step = len(sparse) * layer.B * layer.num_kv_heads * layer.head_dim * 2 * layer.buf_k.element_size()
+                elif dev != dev0:
+                    report["device_bytes_changed_at"] = i
+                    dev0 = -1
+                if host_prev is not None and host - host_prev != per_step:
+                    exact = False
+                    report.setdefault("host_growth_mismatch_at", i)
+                host_prev = host
+                if (i + 1) % checkpoint_every == 0 or i == new_tokens - 1:
+                    cache.check_conservation()
+                    report["conservation_checks"] += 1
+                    if verify_host:
+                        for li in sparse:
+                            full = torch.cat(recorded[li], dim=1)  # [H, T, D]
+                            for h in range(full.shape[0]):
+                                pos, k, _ = cache.host_kv(li, 0, h)
+                                assert torch.equal(k, full[h, pos]), f"host K of layer {li} head {h} differs"
+                        report["host_checks"] += 1
+                    rss.append((i, _rss_bytes()))
+                bar.update(1)
+            bar.close()
+        report["device_bytes_constant"] = dev0 is not None and dev0 >= 0
+        report["sparse_device_kv_bytes"] = cache.device_kv_bytes(("sparse",))
+        report["device_kv_bytes"] = cache.device_kv_bytes()
+        report["host_growth_exact"] = exact
+        report["host_kv_bytes"] = cache.host_kv_bytes()
+        report["host_bytes_per_step"] = per_step
+    finally:
+        cache.close()
+    s = np.asarray(step_s)
+    n = len(s)
+    warm = s[min(50, n // 10) : min(50, n // 10) + max(n // 10, 1)]
+    end = s[-max(n // 10, 1) :]
+    report["tpot_warm_ms"] = float(np.median(warm) * 1000)
+    report["tpot_end_ms"] = float(np.median(end) * 1000)
+    report["tpot_drift"] = report["tpot_end_ms"] / report["tpot_warm_ms"] - 1.0
+    if len(rss) >= 2:
+        xs, ys = np.array([r[0] for r in rss], float), np.array([r[1] for r in rss], float)
+        report["rss_slope_bytes_per_step"] = float(np.polyfit(xs, ys, 1)[0])
+    report["rss_start_mib"] = rss_start / 2**20
+    report["rss_end_mib"] = _rss_bytes() / 2**20
+    report["threads_start"], report["threads_end"] = threads_start, threading.active_count()
+    return report
