@@ -24,6 +24,7 @@ class GenerationResult:
     tt2t_seconds: float = float("nan")
     token_ids: list[int] = field(default_factory=list)
     stats: dict[str, Any] = field(default_factory=dict)
+    trace: list[dict[str, Any]] = field(default_factory=list)  # with IceCacheConfig(trace=True)
 
     @property
     def tpot_seconds(self) -> float:
@@ -118,6 +119,7 @@ def generate(
         )
         t1 = time.perf_counter()
         stats = cache.stats()
+        trace = list(cache.trace)
     new = out[0, enc["input_ids"].shape[1] :]
     res = GenerationResult(
         text=tokenizer.decode(new, skip_special_tokens=True),
@@ -128,6 +130,7 @@ def generate(
         tt2t_seconds=(clock.second or t1) - t0,
         token_ids=new.tolist(),
         stats=stats,
+        trace=trace,
     )
     return res if return_result else res.text
 

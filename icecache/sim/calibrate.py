@@ -1,0 +1,663 @@
+"""``python -m icecache.sim calibrate``: time the real components on this machine and write a profile.
+
+What is timed (median of ``reps`` runs after one warm-up; every raw sample is kept in the profile):
+
+- **decode step** of the embedded model vs context: a one-token forward with a `transformers.DynamicCache`
+  prefilled (random K/V, the values do not change the time) to n tokens, cropped back after each run;
+- **attention** alone of one layer vs KV tokens (transformers' SDPA path with the model's GQA layout);
+- **LM head** (final norm + LM head + argmax) and **prefill** of n prompt tokens;
+- **pagers** (every registered one; ``mdci`` when present): build, select (the GQA group's queries) and
+  one-token insert per KV head, at several sizes, page sizes and budgets, on real keys and queries of the
+  model (post-RoPE, captured from a prefill of library text; sizes beyond the captured length join the keys
+  of further layers);
+- **thread pool**: the KV heads' selects on 1..T threads, giving the pool's parallel efficiency;
+- **bulk loader**: gather selected pages from a host store ``[num_pages, page_size, head_dim]`` into one
+  staging buffer (``index_select``), one copy into a "device" buffer (here a host tensor copy), scatter into
+  slots (``index_copy_``), at several page counts and page sizes.
+
+The machine is shared and the numbers are noisy; the load average before and after is recorded.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import math
+import os
+import platform
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from icecache.core.errors import ConfigError
+from icecache.sim.costs import CalibrationProfile, Predictor, fit_predictor, pager_code_hashes, software_versions
+from icecache.sim.shapes import ModelShape, shape_from_config, shape_to_dict
+
+
+@dataclass(frozen=True)
+class CalibrationSettings:
+    """What `run_calibration` measures (token counts, repetitions, time limits in seconds)."""
+
+    contexts: tuple[int, ...] = (128, 512, 1024, 2048, 4096, 8192)
+    attention_tokens: tuple[int, ...] = (64, 256, 1024, 4096, 8192)
+    prefill_tokens: tuple[int, ...] = (256, 512, 1024, 2048)
+    qk_tokens: int = 8192
+    pager_sizes: tuple[int, ...] = (1024, 4096, 16384, 65536, 131072, 240000)
+    page_sizes: tuple[int, ...] = (8, 16, 32)
+    budgets: tuple[int, ...] = (64, 256)
+    insert_reps: int = 20
+    pool_threads: tuple[int, ...] = (1, 2, 3)
+    pool_size: int = 4096
+    loader_pages: tuple[int, ...] = (8, 32, 128, 512, 2048)
+    loader_store_bytes: int = 256 << 20
+    reps: int = 9
+    statistic: str = "p25"
+    pager_time_limit_s: float = 90.0
+    #: pagers to time: those the simulated variants use (icecache: mdci, quest: sequential); None = all registered
+    pagers: tuple[str, ...] | None = ("mdci", "sequential")
+    seed: int = 0
+
+    @classmethod
+    def quick(cls) -> "CalibrationSettings":
+        """A few seconds' worth (tests and smoke runs; too small to fit reliable costs)."""
+        return cls(
+            contexts=(32, 64, 128), attention_tokens=(32, 128, 256), prefill_tokens=(16, 32, 64), qk_tokens=64,
+            pager_sizes=(128, 256), page_sizes=(8, 16), budgets=(16, 32), insert_reps=3, pool_threads=(1, 2),
+            pool_size=128, loader_pages=(4, 16, 64), loader_store_bytes=1 << 20, reps=2, pager_time_limit_s=10.0,
+        )
+
+
+def machine_info() -> dict[str, Any]:
+    """CPU model, usable CPUs, OS and host name, torch threads, load average."""
+    import torch
+
+    cpu = platform.processor() or "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        ncpu = len(os.sched_getaffinity(0))
+    except AttributeError:
+        ncpu = os.cpu_count() or 1
+    return {
+        "cpu_model": cpu,
+        "cpu_count": ncpu,
+        "platform": platform.platform(),
+        "host": platform.node(),
+        "torch_threads": torch.get_num_threads(),
+        "loadavg_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    }
+
+
+def timeit(fn: Callable[[], Any], reps: int, warmup: int = 1, after: Callable[[], Any] | None = None) -> list[float]:
+    """Wall seconds of ``reps`` calls of ``fn`` after ``warmup`` calls (``after`` runs untimed after each)."""
+    out = []
+    for i in range(warmup + reps):
+        t0 = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t0
+        if after is not None:
+            after()
+        if i >= warmup:
+            out.append(dt)
+    return out
+
+
+def _median(xs: Sequence[float]) -> float:
+    return float(statistics.median(xs))
+
+
+#: Statistic each predictor is fitted to. The 25th percentile: timings on a shared machine have a long upper
+#: tail (other users' bursts); a low percentile estimates the undisturbed cost more stably than the median.
+STATISTICS: dict[str, Callable[[Sequence[float]], float]] = {
+    "p25": lambda xs: float(np.percentile(xs, 25)),
+    "median": _median,
+    "min": lambda xs: float(min(xs)),
+}
+
+
+def interleaved(fns: dict[Any, Callable[[], Any]], reps: int, warmup: int = 1,
+                after: dict[Any, Callable[[], Any]] | None = None) -> dict[Any, list[float]]:
+    """`timeit` over several functions in rounds (one call of each per round), so that a burst of load from
+    another process spreads over all points instead of spoiling one."""
+    out: dict[Any, list[float]] = {k: [] for k in fns}
+    for i in range(warmup + reps):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            dt = time.perf_counter() - t0
+            if after and k in after:
+                after[k]()
+            if i >= warmup:
+                out[k].append(dt)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- model parts
+def _filled_cache(model: Any, n: int, seed: int) -> Any:
+    import torch
+    from transformers import DynamicCache
+
+    cfg = model.config
+    g = torch.Generator().manual_seed(seed)
+    kv = int(cfg.num_key_value_heads)
+    d = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    cache = DynamicCache(config=cfg)
+    for layer in range(cfg.num_hidden_layers):
+        k = torch.randn(1, kv, n, d, generator=g, dtype=model.dtype)
+        v = torch.randn(1, kv, n, d, generator=g, dtype=model.dtype)
+        cache.update(k, v, layer)
+    return cache
+
+
+def measure_decode_step(model: Any, contexts: Sequence[int], reps: int, seed: int = 0) -> list[dict[str, Any]]:
+    """One-token forward with a cache of n tokens, for each n."""
+    import torch
+
+    caches = {n: _filled_cache(model, n, seed) for n in contexts}
+    ids = torch.tensor([[7]])
+
+    def step(n: int) -> Callable[[], None]:
+        def run() -> None:
+            with torch.inference_mode():
+                model(input_ids=ids, past_key_values=caches[n], position_ids=torch.tensor([[n]]),
+                      cache_position=torch.tensor([n]), use_cache=True)
+
+        return run
+
+    secs = interleaved({n: step(n) for n in contexts}, reps, 1, {n: (lambda n=n: caches[n].crop(n)) for n in contexts})
+    return [{"context": n, "seconds": secs[n]} for n in contexts]
+
+
+def measure_attention(model: Any, tokens: Sequence[int], reps: int, seed: int = 0) -> list[dict[str, Any]]:
+    """The attention function of one layer (the model's implementation) over n keys, one query token."""
+    import torch
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    layer = model.model.layers[0].self_attn
+    impl = model.config._attn_implementation
+    fn = ALL_ATTENTION_FUNCTIONS.get(impl) if impl != "eager" else None
+    if fn is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward as fn
+    cfg = model.config
+    d = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    g = torch.Generator().manual_seed(seed)
+    fns = {}
+    for n in tokens:
+        q = torch.randn(1, cfg.num_attention_heads, 1, d, generator=g, dtype=model.dtype)
+        k = torch.randn(1, cfg.num_key_value_heads, n, d, generator=g, dtype=model.dtype)
+        v = torch.randn(1, cfg.num_key_value_heads, n, d, generator=g, dtype=model.dtype)
+
+        def att(q: Any = q, k: Any = k, v: Any = v) -> None:
+            with torch.inference_mode():
+                fn(layer, q, k, v, None, dropout=0.0, scaling=layer.scaling)
+
+        fns[n] = att
+    secs = interleaved(fns, max(reps, 5) * 3, warmup=2)
+    return [{"kv_tokens": n, "seconds": secs[n]} for n in tokens]
+
+
+def measure_lm_head(model: Any, reps: int) -> list[dict[str, Any]]:
+    """Final norm + LM head + argmax for one token."""
+    import torch
+
+    h = torch.randn(1, 1, model.config.hidden_size, dtype=model.dtype)
+
+    def head() -> None:
+        with torch.inference_mode():
+            model.lm_head(model.model.norm(h)).argmax(-1)
+
+    return [{"seconds": timeit(head, max(reps, 5) * 3, warmup=2)}]
+
+
+def measure_prefill(model: Any, input_ids: Any, tokens: Sequence[int], reps: int) -> list[dict[str, Any]]:
+    """Forward of the first n prompt tokens with a fresh cache."""
+    import torch
+
+    def pre(n: int) -> Callable[[], None]:
+        def run() -> None:
+            with torch.inference_mode():
+                model(input_ids=input_ids[:, :n], use_cache=True)
+
+        return run
+
+    secs = interleaved({n: pre(n) for n in tokens}, 3, warmup=1)
+    return [{"tokens": n, "seconds": secs[n]} for n in tokens]
+
+
+def capture_qk(model: Any, input_ids: Any, timing: dict[str, float] | None = None) -> tuple[Any, Any]:
+    """Post-RoPE queries ``[L, Hq, n, d]`` and keys ``[L, Hkv, n, d]`` of one prefill (float32).
+
+    ``timing``, when given, receives ``forward_s``: the wall time of the forward pass itself."""
+    import torch
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    cfg = model.config
+    d = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    captured: dict[int, torch.Tensor] = {}
+    hooks = []
+    for i, layer in enumerate(model.model.layers):
+        hooks.append(layer.self_attn.q_proj.register_forward_hook(lambda m, a, out, i=i: captured.__setitem__(i, out.detach())))
+    try:
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            out = model(input_ids=input_ids, use_cache=True)
+            if timing is not None:
+                timing["forward_s"] = time.perf_counter() - t0
+            n = input_ids.shape[1]
+            pos = torch.arange(n).unsqueeze(0)
+            h = torch.zeros(1, n, cfg.hidden_size, dtype=model.dtype)
+            cos, sin = model.model.rotary_emb(h, pos)
+            qs, ks = [], []
+            cache = out.past_key_values
+            for i in range(cfg.num_hidden_layers):
+                q = captured[i].view(1, n, -1, d).transpose(1, 2)
+                q, _ = apply_rotary_pos_emb(q, q, cos, sin)
+                qs.append(q[0].float())
+                ks.append(cache.layers[i].keys[0].float())
+    finally:
+        for hk in hooks:
+            hk.remove()
+    return torch.stack(qs), torch.stack(ks)
+
+
+def prompt_ids(tokenizer: Any, n: int) -> Any:
+    """``n`` tokens of Python's own documentation text (``pydoc_data.topics``), no chat template."""
+    from pydoc_data.topics import topics
+
+    text = "\n\n".join(topics[k] for k in sorted(topics))
+    ids = tokenizer(text, return_tensors="pt")["input_ids"]
+    if ids.shape[1] < n:
+        raise ConfigError(f"library text gives only {ids.shape[1]} tokens, {n} asked")
+    return ids[:, :n]
+
+
+# ---------------------------------------------------------------------------------------------- pagers
+class KeyPool:
+    """Real keys and queries for pager timing: head 0's group of successive layers, concatenated."""
+
+    def __init__(self, q: Any, k: Any) -> None:
+        import torch
+
+        self.g = q.shape[1] // k.shape[1]
+        self.keys = torch.cat([k[l, 0] for l in range(k.shape[0])])  # [L * n, d]
+        self.queries = torch.cat([q[l, : self.g] for l in range(q.shape[0])], dim=1)  # [g, L * n, d]
+        self.d = k.shape[-1]
+
+    def keys_for(self, n: int, offset: int = 0) -> Any:
+        if offset + n > self.keys.shape[0]:
+            raise ConfigError(f"key pool holds {self.keys.shape[0]} keys, {offset + n} asked")
+        return self.keys[offset : offset + n]
+
+    def query(self, i: int) -> Any:
+        return self.queries[:, i % self.queries.shape[1]]
+
+
+def measure_pager(
+    name: str, pool: KeyPool, sizes: Sequence[int], page_sizes: Sequence[int], budgets: Sequence[int], reps: int,
+    insert_reps: int, time_limit_s: float, seed: int = 0, log: Callable[[str], None] = print,
+) -> dict[str, list[dict[str, Any]]]:
+    """Build / select / insert times of pager ``name``.
+
+    Builds go from small to large n and stop when ``time_limit_s`` is spent; then the selects of every built
+    (n, page size) and budget are timed in interleaved rounds, then the one-token inserts.
+    """
+    from icecache.indexes import make_pager
+
+    out: dict[str, list[dict[str, Any]]] = {"build": [], "select": [], "insert": []}
+    warm = make_pager(name, head_dim=pool.d, page_size=min(page_sizes), seed=seed)  # JIT compilation, caches
+    warm.build(pool.keys_for(min(256, pool.keys.shape[0] - 2)))
+    warm.select(pool.query(0), min(budgets))
+    warm.insert(pool.keys_for(1, offset=min(256, pool.keys.shape[0] - 2)))
+    t_start = time.perf_counter()
+    built: dict[tuple[int, int], Any] = {}
+    for n in sorted(sizes):
+        if n > pool.keys.shape[0] - insert_reps - 2:
+            log(f"  {name}: n={n} exceeds the key pool, skipped")
+            continue
+        if time.perf_counter() - t_start > time_limit_s:
+            log(f"  {name}: time limit reached before n={n}")
+            break
+        keys = pool.keys_for(n)
+        for P in page_sizes:
+            b = []
+            for _ in range(3):
+                pager = make_pager(name, head_dim=pool.d, page_size=P, seed=seed)
+                t0 = time.perf_counter()
+                pager.build(keys)
+                b.append(time.perf_counter() - t0)
+                if sum(b) > 1.0:  # expensive builds: fewer repetitions
+                    break
+            built[(n, P)] = pager
+            out["build"].append({"n": n, "page_size": P, "seconds": b})
+        log(f"  {name}: n={n} built ({min(b) * 1e3:.1f} ms at page {page_sizes[-1]})")
+    counter = iter(range(10**9))
+    fns = {
+        (n, P, B): (lambda pg=pg, B=B, n=n: pg.select(pool.query(next(counter) * 37 + n), B))
+        for (n, P), pg in built.items()
+        for B in budgets
+    }
+    secs = interleaved(fns, reps, warmup=1)
+    for (n, P, B), xs in secs.items():
+        out["select"].append({"n": n, "budget": B, "page_size": P, "seconds": xs})
+    mid_p = sorted(page_sizes)[len(page_sizes) // 2]
+    ins = {n: pg for (n, P), pg in built.items() if P == mid_p}
+    extra = {n: pool.keys_for(insert_reps + 1, offset=n) for n in ins}
+    pos = {n: iter(range(insert_reps + 1)) for n in ins}
+    secs = interleaved({n: (lambda n=n: (lambda j: ins[n].insert(extra[n][j : j + 1]))(next(pos[n]))) for n in ins}, insert_reps, 1)
+    for n, xs in secs.items():
+        out["insert"].append({"n": n, "seconds": xs})
+    return out
+
+
+def measure_pool(
+    name: str, pool: KeyPool, jobs: int, n: int, page_size: int, budget: int, threads: Sequence[int], reps: int, seed: int = 0
+) -> list[dict[str, Any]]:
+    """Makespan of ``jobs`` selects (one per KV head) on thread pools of each size."""
+    from icecache.indexes import make_pager
+
+    pagers = []
+    for j in range(jobs):
+        p = make_pager(name, head_dim=pool.d, page_size=page_size, seed=seed)
+        p.build(pool.keys_for(n, offset=j * n % max(pool.keys.shape[0] - n, 1)))
+        pagers.append(p)
+    qs = [pool.query(31 * j) for j in range(jobs)]
+    executors = {T: ThreadPoolExecutor(max_workers=T) for T in threads}
+    try:
+        fns: dict[int, Callable[[], Any]] = {
+            T: (lambda ex=ex: list(ex.map(lambda j: pagers[j].select(qs[j], budget), range(jobs)))) for T, ex in executors.items()
+        }
+        fns[0] = lambda: pagers[0].select(qs[0], budget)
+        secs = interleaved(fns, reps, warmup=1)
+    finally:
+        for ex in executors.values():
+            ex.shutdown()
+    return [{"threads": T, "jobs": jobs if T else 1, "n": n, "seconds": secs[T]} for T in fns]
+
+
+# ---------------------------------------------------------------------------------------------- loader
+def measure_loader(
+    page_sizes: Sequence[int], pages: Sequence[int], head_dim: int, store_bytes: int, reps: int, dtype: Any = None, seed: int = 0
+) -> dict[str, list[dict[str, Any]]]:
+    """Gather (index_select into staging), copy (into the 'device' buffer), scatter (index_copy_ into slots).
+
+    The host store holds ``store_bytes`` (default 256 MiB, larger than any last-level cache, as a real host KV
+    store is), so gathered pages come from DRAM; staging, device buffer and slot table are budget-sized."""
+    import torch
+
+    dtype = dtype or torch.float32
+    g = torch.Generator().manual_seed(seed)
+    out: dict[str, list[dict[str, Any]]] = {"gather": [], "copy": [], "scatter": []}
+    esize = torch.tensor([], dtype=dtype).element_size()
+    for P in page_sizes:
+        store_pages = max(max(pages), store_bytes // (P * head_dim * esize))
+        store = torch.empty(store_pages, P, head_dim, dtype=dtype).normal_(generator=g)
+        kmax = min(max(pages), store_pages)
+        staging = torch.empty(kmax, P, head_dim, dtype=dtype)
+        device_buf = torch.empty(kmax, P, head_dim, dtype=dtype)
+        table = torch.zeros(kmax * 2, P, head_dim, dtype=dtype)
+        for k in pages:
+            if k > store_pages:
+                continue
+            nbytes = k * P * head_dim * esize
+            r = reps * 3 if nbytes < 1 << 20 else reps
+            # a fresh page set per call: pages of a real step are new ones, not the cache-warm pages of the last call
+            idxs = [torch.randperm(store_pages, generator=g)[:k] for _ in range(r + 2)]
+            slot_sets = [torch.randperm(kmax * 2, generator=g)[:k] for _ in range(r + 2)]
+            st, dv = staging[:k], device_buf[:k]
+            it_g, it_s = iter(idxs), iter(slot_sets)
+            row = {"bytes": nbytes, "pages": k, "page_size": P}
+            out["gather"].append({**row, "seconds": timeit(lambda: torch.index_select(store, 0, next(it_g), out=st), r, 2)})
+            out["copy"].append({**row, "seconds": timeit(lambda: dv.copy_(st), r, 2)})
+            out["scatter"].append({**row, "seconds": timeit(lambda: table.index_copy_(0, next(it_s), dv), r, 2)})
+        del store
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- fitting
+def _points(rows: list[dict[str, Any]], features: Sequence[str], statistic: str = "p25") -> tuple[np.ndarray, np.ndarray]:
+    X = np.array([[float(r[f]) for f in features] for r in rows], dtype=float).reshape(len(rows), len(features))
+    y = np.array([STATISTICS[statistic](r["seconds"]) for r in rows])
+    return X, y
+
+
+def fit_profile_predictors(samples: dict[str, Any], statistic: str = "p25") -> dict[str, Predictor]:
+    """Fit every predictor the simulator uses from raw samples (see `icecache.sim.costs.MeasuredCosts`),
+    each point summarised by ``statistic`` (`STATISTICS`)."""
+    preds: dict[str, Predictor] = {}
+    if statistic not in STATISTICS:
+        raise ConfigError(f"statistic must be one of {sorted(STATISTICS)}, got {statistic!r}")
+
+    def fit(name: str, form: str, rows: list[dict[str, Any]], features: Sequence[str]) -> None:
+        if rows:
+            X, y = _points(rows, features, statistic)
+            preds[name] = fit_predictor(name, form, features, X, y)
+
+    fit("decode_step", "affine", samples.get("decode_step", []), ["context"])
+    fit("attention", "affine", samples.get("attention", []), ["kv_tokens"])
+    fit("lm_head", "constant", samples.get("lm_head", []), [])
+    fit("prefill", "quadratic", samples.get("prefill", []), ["tokens"])
+    for comp in ("gather", "scatter"):
+        fit(comp, "affine", samples.get(comp, []), ["bytes", "pages"])
+    fit("copy", "affine", samples.get("copy", []), ["bytes"])
+    for name, rows in samples.get("pagers", {}).items():
+        fit(f"select/{name}", "pwpower", rows["select"], ["n", "budget", "page_size"])
+        fit(f"build/{name}", "pwpower", rows["build"], ["n", "page_size"])
+        fit(f"insert/{name}", "pwpower", rows["insert"], ["n"])
+    return preds
+
+
+def pool_efficiency(rows: list[dict[str, Any]], statistic: str = "p25") -> dict[str, float]:
+    """``{threads: ceil(J/T) * t_single / makespan_T}`` from `measure_pool` rows (1.0 means ideal)."""
+    import math
+
+    stat = STATISTICS[statistic]
+    single = next(stat(r["seconds"]) for r in rows if r["threads"] == 0)
+    return {
+        str(r["threads"]): min(1.0, math.ceil(r["jobs"] / r["threads"]) * single / stat(r["seconds"]))
+        for r in rows
+        if r["threads"] > 0
+    }
+
+
+# ---------------------------------------------------------------------------------------------- driver
+COMPONENTS: dict[str, tuple[str, ...]] = {
+    # component: the sample keys it owns
+    "model": ("decode_step", "attention", "lm_head", "prefill"),
+    "pagers": ("pagers",),
+    "pool": ("pool",),
+    "loader": ("gather", "copy", "scatter"),
+}
+
+
+def _runs_of(p: CalibrationProfile) -> list[dict[str, Any]]:
+    """The measurement runs a profile was made from (one for a profile without a ``runs`` record)."""
+    return [dict(r) for r in p.meta.get("runs", [{"created": p.created, "components": sorted(COMPONENTS),
+                                                  "loadavg_start": p.machine.get("loadavg_start"),
+                                                  "loadavg_end": p.machine.get("loadavg_end")}])]
+
+
+def merge_profiles(base: CalibrationProfile, new: CalibrationProfile, components: Sequence[str]) -> CalibrationProfile:
+    """``base`` with the samples of ``components`` taken from ``new``; predictors refitted from the merged samples.
+
+    Both must come from the same machine, library versions and model; ``meta["runs"]`` lists which run measured
+    which component (with its time and load averages), so a profile assembled from several runs says so.
+    """
+    unknown = set(components) - set(COMPONENTS)
+    if unknown:
+        raise ConfigError(f"unknown calibration components {sorted(unknown)}; known: {sorted(COMPONENTS)}")
+    for key in ("cpu_model", "cpu_count"):
+        if base.machine.get(key) != new.machine.get(key):
+            raise ConfigError(f"cannot merge profiles of different machines ({key}: {base.machine.get(key)} vs {new.machine.get(key)})")
+    if base.versions != new.versions:
+        raise ConfigError(f"cannot merge profiles measured with different library versions: {base.versions} vs {new.versions}")
+    if base.meta.get("shape") != new.meta.get("shape"):
+        raise ConfigError("cannot merge profiles of different models")
+    samples = dict(base.samples)
+    for c in components:
+        for key in COMPONENTS[c]:
+            if key in new.samples:
+                samples[key] = new.samples[key]
+    stat = new.meta.get("statistic", "p25")
+    meta = dict(base.meta)
+    runs = [dict(r, components=[c for c in r["components"] if c not in components]) for r in _runs_of(base)]
+    runs = [r for r in runs if r["components"]]
+    runs += [dict(r, components=[c for c in r["components"] if c in components]) for r in _runs_of(new)]
+    meta["runs"] = runs
+    if "pool" in components:
+        meta["pool_efficiency"] = new.meta.get("pool_efficiency", meta.get("pool_efficiency"))
+        meta["pool_pager"] = new.meta.get("pool_pager")
+    if "pagers" in components:
+        meta["pagers"] = new.meta.get("pagers", [])
+    hashes = dict(base.pager_hashes)
+    if "pagers" in components:
+        hashes = dict(new.pager_hashes)
+    return CalibrationProfile(
+        machine=dict(base.machine), versions=dict(base.versions), pager_hashes=hashes, created=new.created,
+        predictors=fit_profile_predictors(samples, stat), meta=meta, samples=samples,
+    )
+
+
+def run_calibration(
+    settings: CalibrationSettings | None = None,
+    *,
+    model: Any = None,
+    tokenizer: Any = None,
+    model_name: str = "smollm2-135m-instruct",
+    components: Sequence[str] = tuple(COMPONENTS),
+    base: CalibrationProfile | None = None,
+    out: str | Path | None = None,
+    log: Callable[[str], None] = print,
+) -> CalibrationProfile:
+    """Measure ``components`` (model, pagers, pool, loader) as ``settings`` say and return a `CalibrationProfile`
+    (written to ``out`` when given). With ``base``, only ``components`` are re-measured and the rest is kept
+    (`merge_profiles`).
+
+    ``model``/``tokenizer`` default to `icecache.load_model()`; tests pass a tiny model (and no tokenizer).
+    """
+    import torch
+
+    from icecache.indexes import available_pagers
+
+    unknown = set(components) - set(COMPONENTS)
+    if unknown:
+        raise ConfigError(f"unknown calibration components {sorted(unknown)}; known: {sorted(COMPONENTS)}")
+    s = settings or CalibrationSettings()
+    t0 = time.perf_counter()
+    info = machine_info()
+    if model is None:
+        from icecache.runtime.models import load_model
+
+        model, tokenizer = load_model()
+    model.eval()
+    shape: ModelShape = shape_from_config(model.config, model_name)
+    log(f"calibrating {', '.join(components)} on {info['cpu_model']} ({info['cpu_count']} CPUs, torch threads "
+        f"{info['torch_threads']}, load average {info['loadavg_start']})")
+    samples: dict[str, Any] = {}
+    n_ids = max(s.qk_tokens, max(s.prefill_tokens))
+    if tokenizer is not None:
+        ids = prompt_ids(tokenizer, n_ids)
+    else:
+        ids = torch.randint(0, model.config.vocab_size, (1, n_ids), generator=torch.Generator().manual_seed(s.seed))
+    if "model" in components:
+        log("decode step vs context ...")
+        samples["decode_step"] = measure_decode_step(model, s.contexts, s.reps, s.seed)
+        log("attention vs KV tokens ...")
+        samples["attention"] = measure_attention(model, s.attention_tokens, s.reps, s.seed)
+        samples["lm_head"] = measure_lm_head(model, s.reps)
+        log("prefill vs tokens ...")
+        samples["prefill"] = measure_prefill(model, ids, s.prefill_tokens, s.reps)
+    names: list[str] = []
+    pool_name = None
+    g, d = shape.group_size, shape.head_dim
+    if "pagers" in components or "pool" in components:
+        log(f"capturing keys and queries ({s.qk_tokens} tokens) ...")
+        cap: dict[str, float] = {}
+        q, k = capture_qk(model, ids[:, : s.qk_tokens], cap)
+        if "model" in components and s.qk_tokens > max(s.prefill_tokens):  # that capture is a prefill too
+            samples["prefill"].append({"tokens": s.qk_tokens, "seconds": [cap["forward_s"]], "note": "the key/query capture run"})
+        pool = KeyPool(q, k)
+        g, d = pool.g, pool.d
+        names = list(s.pagers) if s.pagers is not None else available_pagers()
+        missing = [n for n in names if n not in available_pagers()]
+        if missing:
+            log(f"pagers not available, skipped: {missing}")
+        names = [n for n in names if n in available_pagers()]
+        if "mdci" not in available_pagers():
+            log("note: pager 'mdci' is not registered yet; the icecache variants need --pager until it is calibrated")
+        if "pagers" in components:
+            samples["pagers"] = {}
+            for name in names:
+                log(f"pager {name} ...")
+                samples["pagers"][name] = measure_pager(
+                    name, pool, s.pager_sizes, s.page_sizes, s.budgets, s.reps, s.insert_reps, s.pager_time_limit_s, s.seed, log
+                )
+        pool_name = "mdci" if "mdci" in names else (names[0] if names else None)
+        if "pool" in components and pool_name:
+            log(f"thread pool ({pool_name}, {shape.kv_heads} heads) ...")
+            samples["pool"] = measure_pool(pool_name, pool, shape.kv_heads, min(s.pool_size, pool.keys.shape[0] // 2),
+                                           16 if 16 in s.page_sizes else s.page_sizes[0], max(s.budgets), s.pool_threads, s.reps, s.seed)
+    if "loader" in components:
+        log("bulk loader (gather / copy / scatter) ...")
+        samples.update(measure_loader(s.page_sizes, s.loader_pages, shape.head_dim, s.loader_store_bytes, s.reps, model.dtype, s.seed))
+    info["loadavg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    wall = time.perf_counter() - t0
+    created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    profile = CalibrationProfile(
+        machine=info,
+        versions=software_versions(),
+        pager_hashes=pager_code_hashes(names),
+        created=created,
+        predictors=fit_profile_predictors(samples, s.statistic),
+        meta={
+            "model": model_name,
+            "shape": shape_to_dict(shape),
+            "dtype_bytes": int(torch.tensor([], dtype=model.dtype).element_size()),
+            "attn_implementation": model.config._attn_implementation,
+            "queries_per_select": g,
+            "head_dim": d,
+            "pool_pager": pool_name,
+            "pool_efficiency": pool_efficiency(samples["pool"], s.statistic) if "pool" in samples else {"1": 1.0},
+            "pagers": names,
+            "settings": asdict(s),
+            "wall_s": wall,
+            "statistic": s.statistic,
+            "runs": [{"created": created, "components": list(components), "loadavg_start": info["loadavg_start"],
+                      "loadavg_end": info["loadavg_end"], "wall_s": wall}],
+            "notes": "shared 2-core machine: timings are noisy (see runs[].loadavg_*); points are interleaved "
+                     "rounds after warm-up, each summarised by `statistic`; raw samples kept",
+        },
+        samples=samples,
+    )
+    if base is not None:
+        profile = merge_profiles(base, profile, components)
+    if out is not None:
+        profile.save(out)
+        log(f"wrote {out} ({wall:.0f} s)")
+    return profile
+
+
+def summarize_profile(profile: CalibrationProfile) -> str:
+    """A short human-readable table of the fitted predictors."""
+    lines = [f"profile {profile.created} on {profile.machine.get('cpu_model')} ({profile.machine.get('cpu_count')} CPUs)"]
+    for name, p in sorted(profile.predictors.items()):
+        rng = ", ".join(f"{f} {lo:g}..{hi:g}" for f, lo, hi in zip(p.features, p.lo, p.hi))
+        if p.form == "pwpower":  # the curve at the knots, other features at their smallest measured value
+            k = int(p.params[0])
+            pts = ", ".join(f"{math.exp(a):.0f}:{p.formula([math.exp(a), *p.lo[1:]]) * 1e3:.3g}ms" for a in p.params[1 : 1 + k])
+            exps = ", ".join(f"{f}^{e:.2f}" for f, e in zip(p.features[1:], p.params[1 + 2 * k :]))
+            at = ", ".join(f"{f}={lo:g}" for f, lo in zip(p.features[1:], p.lo[1:]))
+            params = f"n:t {pts}" + (f" at {at}; x {exps}" if exps else "")
+        else:
+            params = ", ".join(f"{v:.4g}" for v in p.params)
+        lines.append(f"  {name:22s} {p.form:9s} [{params}]  fit MAPE {p.fit_mape * 100:5.1f}%  ({rng})")
+    lines.append(f"  pool efficiency: {profile.meta.get('pool_efficiency')}")
+    return "\n".join(lines)

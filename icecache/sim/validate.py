@@ -1,0 +1,368 @@
+"""``python -m icecache.sim validate``: predict measured runs of the runtime and score the predictions.
+
+Input: JSON lines, one measured run each (``experiments/sim/measure_runs.py`` writes them)::
+
+    {"variant": "icecache", "model": "smollm2-135m-instruct", "context": 4096, "budget": 256, "page_size": 16,
+     "threads": 2, "new_tokens": 32, "tpot_s": 0.061, "tt2t_s": 3.1, "ttft_s": 3.0,
+     "stage_seconds": {"select": 0.004, ...}, "hardware": "this-machine"}
+
+``stage_seconds`` are per decode step (runtime stage names: select, gather, copy, scatter, attend, insert,
+other). Extra keys are kept; ``page_reuse_rate`` (measured fraction of selected pages already resident), when
+present, replaces the hit model's page hit rate for that run (the hit rate is an input, not a prediction).
+
+Protocol (SIM_ANCHORS.md s.6): the runs are split into a calibration set and a held-out set (``--holdout``:
+the smaller half of the contexts, the smallest thread count, or a seeded third). Predictions come from the
+calibration profile alone ("raw"); then one factor per stage (sum measured / sum predicted) and one for the
+prefill part of TT2T are fitted on the calibration runs ("corrected"). Both are scored on the held-out runs
+only: MAPE and signed bias (MPE) of TPOT, TT2T, TTFT and each stage, and Kendall's tau between predicted and
+measured TPOT over the held-out configurations. Targets: MAPE <= 15 %, |bias| <= 5 %, tau >= 0.8.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from icecache.core.errors import ConfigError, InputError
+from icecache.sim.hitrate import HitModel, HitStats, PriorHitModel
+from icecache.sim.model import SimConfig, SimResult
+
+RUNTIME_STAGES: tuple[str, ...] = ("select", "gather", "copy", "scatter", "attend", "insert", "other")
+#: simulator stages summed into each runtime stage (the runtime books projections/MLP/LM head as "other")
+STAGE_MAP: dict[str, tuple[str, ...]] = {
+    "select": ("select",), "gather": ("gather",), "copy": ("copy",), "scatter": ("scatter",), "attend": ("attend",),
+    "insert": ("insert",), "other": ("compute", "other"),
+}
+REQUIRED: tuple[str, ...] = ("variant", "model", "context", "budget", "page_size", "threads", "new_tokens", "tpot_s",
+                             "tt2t_s", "ttft_s", "stage_seconds", "hardware")
+TARGETS = {"mape": 0.15, "abs_bias": 0.05, "kendall_tau": 0.8}
+
+
+@dataclass(frozen=True)
+class MeasuredRun:
+    """One measured run (see the module docstring for the fields); ``extra`` keeps any other keys."""
+
+    variant: str
+    model: str
+    context: int
+    budget: int
+    page_size: int
+    threads: int
+    new_tokens: int
+    tpot_s: float
+    tt2t_s: float
+    ttft_s: float
+    stage_seconds: dict[str, float]
+    hardware: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], where: str = "") -> "MeasuredRun":
+        missing = [k for k in REQUIRED if k not in d]
+        if missing:
+            raise InputError(f"measured run {where}lacks {missing}")
+        for k in ("tpot_s", "tt2t_s", "ttft_s"):
+            if not isinstance(d[k], (int, float)) or not d[k] > 0:
+                raise InputError(f"measured run {where}{k} must be a number > 0, got {d[k]!r}")
+        return cls(
+            variant=str(d["variant"]), model=str(d["model"]), context=int(d["context"]), budget=int(d["budget"]),
+            page_size=int(d["page_size"]), threads=int(d["threads"]), new_tokens=int(d["new_tokens"]),
+            tpot_s=float(d["tpot_s"]), tt2t_s=float(d["tt2t_s"]), ttft_s=float(d["ttft_s"]),
+            stage_seconds={str(k): float(v) for k, v in dict(d["stage_seconds"] or {}).items()},
+            hardware=str(d["hardware"]), extra={k: v for k, v in d.items() if k not in REQUIRED},
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {k: getattr(self, k) for k in REQUIRED}
+        d.update(self.extra)
+        return d
+
+    def config(self, **overrides: Any) -> SimConfig:
+        """The `SimConfig` that reproduces this run (``reuse_every``/``dense_layers``/``sink``/``window`` from
+        ``extra`` when present)."""
+        kw: dict[str, Any] = dict(
+            model=self.model, hardware=self.hardware, variant=self.variant, context=self.context,
+            budget=min(self.budget, self.context), page_size=self.page_size, threads=self.threads, new_tokens=self.new_tokens,
+        )
+        for src, dst in (("reuse_every", "reuse"), ("dense_layers", "dense_layers"), ("sink", "sink"), ("window", "window"), ("pager", "pager")):
+            if src in self.extra:
+                v = self.extra[src]
+                kw[dst] = len(v) if dst == "dense_layers" and isinstance(v, (list, tuple)) else v
+        kw.update(overrides)
+        return SimConfig(**kw)
+
+
+def read_runs(path: str | Path) -> list[MeasuredRun]:
+    """Read measured runs (JSON lines; blank lines skipped)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"no measured runs at {p} (experiments/sim/measure_runs.py writes them)")
+    runs = []
+    for i, line in enumerate(p.read_text().splitlines()):
+        if line.strip():
+            runs.append(MeasuredRun.from_dict(json.loads(line), f"{p.name}:{i + 1} "))
+    if not runs:
+        raise ConfigError(f"{p} holds no runs")
+    return runs
+
+
+@dataclass(frozen=True)
+class _RunHit:
+    """A hit model whose page hit rate is a measured value (fill and budget use from ``base``)."""
+
+    base: Any
+    rate: float
+
+    def predict(self, variant: str, budget: int, page_size: int, context: int, notes: list[str] | None = None) -> HitStats:
+        hs = self.base.predict(variant, budget, page_size, context, notes)
+        return dataclasses.replace(hs, page_hit_rate=min(max(self.rate, 0.0), 1.0), source="measured page_reuse_rate")
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the simulator says about one run (stages in the runtime's names, per step)."""
+
+    tpot_s: float
+    tt2t_s: float
+    ttft_s: float
+    stages: dict[str, float]
+    bytes_per_step: float = float("nan")
+
+
+def measured_bytes_per_step(run: MeasuredRun) -> float | None:
+    """Bytes copied host -> device per decode step, from the run's stats (None when not recorded)."""
+    st = run.extra.get("stats") or {}
+    if "bytes_copied" in st and st.get("steps"):
+        return float(st["bytes_copied"]) / float(st["steps"])
+    return None
+
+
+def runtime_stages(res: SimResult) -> dict[str, float]:
+    """Simulator stages summed into the runtime's stage names (`STAGE_MAP`)."""
+    return {k: sum(res.stages.get(s, 0.0) for s in v) for k, v in STAGE_MAP.items()}
+
+
+def predict_runs(runs: Sequence[MeasuredRun], sim: Any, hit: HitModel | None = None) -> list[Prediction]:
+    """Simulate every run's configuration (``sim``: `icecache.sim.sweep.Simulator`)."""
+    out = []
+    base = hit or sim.hit or PriorHitModel()
+    for r in runs:
+        rate = r.extra.get("page_reuse_rate", (r.extra.get("stats") or {}).get("page_reuse_rate"))
+        model = _RunHit(base, float(rate)) if rate is not None else base
+        from icecache.sim.model import simulate
+
+        res = simulate(r.config(), sim.costs(r.hardware), model)
+        out.append(Prediction(res.tpot_s, res.tt2t_s, res.ttft_s, runtime_stages(res), res.bytes_per_step))
+    return out
+
+
+def split_runs(runs: Sequence[MeasuredRun], rule: str, seed: int = 0) -> tuple[list[int], list[int]]:
+    """Indices of (calibration, held-out) runs under ``rule`` (context | threads | random | none)."""
+    idx = list(range(len(runs)))
+    if rule == "none":
+        return [], idx
+    if rule == "context":
+        ctx = sorted({r.context for r in runs})
+        cut = ctx[(len(ctx) - 1) // 2] if len(ctx) > 1 else math.inf
+        cal = [i for i in idx if runs[i].context <= cut]
+    elif rule == "threads":
+        low = min(r.threads for r in runs)
+        cal = [i for i in idx if runs[i].threads == low]
+        if len(cal) == len(idx):
+            cal = []
+    elif rule == "random":
+        rng = random.Random(seed)
+        cal = sorted(rng.sample(idx, max(1, len(idx) // 3))) if len(idx) > 1 else []
+    else:
+        raise ConfigError(f"unknown holdout rule {rule!r}; known: context, threads, random, none")
+    test = [i for i in idx if i not in set(cal)]
+    if not test:
+        raise ConfigError(f"holdout rule {rule!r} leaves no runs to score")
+    return cal, test
+
+
+@dataclass(frozen=True)
+class Corrections:
+    """Per-stage factors (measured / predicted) and the prefill factor, fitted on calibration runs."""
+
+    stage_factors: dict[str, float]
+    prefill_factor: float = 1.0
+
+    def apply(self, p: Prediction) -> Prediction:
+        st = {k: v * self.stage_factors.get(k, 1.0) for k, v in p.stages.items()}
+        tpot = p.tpot_s + sum(st[k] - p.stages[k] for k in st)
+        pre = max(p.tt2t_s - p.tpot_s, 0.0) * self.prefill_factor
+        return Prediction(tpot, pre + tpot, p.ttft_s * self.prefill_factor, st, p.bytes_per_step)
+
+
+def fit_corrections(preds: Sequence[Prediction], runs: Sequence[MeasuredRun], lo: float = 0.05, hi: float = 20.0) -> Corrections:
+    """Ratio-of-sums factors over the given (calibration) runs, clamped to ``[lo, hi]``; 1 where undefined."""
+    factors = {}
+    for s in RUNTIME_STAGES:
+        num = sum(r.stage_seconds[s] for p, r in zip(preds, runs) if s in r.stage_seconds and p.stages.get(s, 0) > 0)
+        den = sum(p.stages[s] for p, r in zip(preds, runs) if s in r.stage_seconds and p.stages.get(s, 0) > 0)
+        factors[s] = min(max(num / den, lo), hi) if den > 0 and num > 0 else 1.0
+    num = sum(max(r.tt2t_s - r.tpot_s, 0.0) for r in runs)
+    den = sum(max(p.tt2t_s - p.tpot_s, 0.0) for p in preds)
+    return Corrections(factors, min(max(num / den, lo), hi) if den > 0 and num > 0 else 1.0)
+
+
+def error_stats(pred: Sequence[float], meas: Sequence[float]) -> dict[str, float]:
+    """MAPE and signed bias (MPE) of ``pred`` against ``meas`` (fractions), over pairs with meas > 0."""
+    pairs = [(p, m) for p, m in zip(pred, meas) if m > 0 and math.isfinite(p)]
+    if not pairs:
+        return {"mape": math.nan, "bias": math.nan, "n": 0}
+    rel = [(p - m) / m for p, m in pairs]
+    return {"mape": sum(abs(x) for x in rel) / len(rel), "bias": sum(rel) / len(rel), "n": len(rel)}
+
+
+def kendall_tau(pred: Sequence[float], meas: Sequence[float]) -> float:
+    """Kendall's tau-b between two rankings (NaN with fewer than 3 points)."""
+    if len(pred) < 3:
+        return math.nan
+    from scipy.stats import kendalltau
+
+    tau = kendalltau(pred, meas).statistic
+    return float(tau)
+
+
+@dataclass
+class ValidationReport:
+    """Errors of raw and corrected predictions on the held-out runs."""
+
+    rule: str
+    n_calibration: int
+    n_test: int
+    corrections: Corrections
+    raw: dict[str, dict[str, float]]
+    corrected: dict[str, dict[str, float]]
+    tau_raw: float
+    tau_corrected: float
+    rows: list[dict[str, Any]]
+
+    def passes(self, which: str = "corrected") -> dict[str, bool]:
+        m = getattr(self, which)
+        tau = self.tau_corrected if which == "corrected" else self.tau_raw
+        out = {}
+        for k in ("tpot", "tt2t"):
+            out[f"{k} MAPE <= 15%"] = m[k]["mape"] <= TARGETS["mape"]
+            out[f"{k} |bias| <= 5%"] = abs(m[k]["bias"]) <= TARGETS["abs_bias"]
+        out["Kendall tau >= 0.8"] = tau >= TARGETS["kendall_tau"]
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["passes_corrected"] = self.passes("corrected")
+        d["passes_raw"] = self.passes("raw")
+        return d
+
+    def to_markdown(self) -> str:
+        def pct(x: float) -> str:
+            return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x * 100:+.1f}%"
+
+        lines = ["# Simulator validation against measured runs", "",
+                 f"Hold-out rule `{self.rule}`: {self.n_calibration} calibration runs, {self.n_test} scored runs.", "",
+                 "| metric | raw MAPE | raw bias | corrected MAPE | corrected bias | n |", "|---|---:|---:|---:|---:|---:|"]
+        for k in self.raw:
+            r, c = self.raw[k], self.corrected[k]
+            lines.append(f"| {k} | {pct(r['mape']).lstrip('+')} | {pct(r['bias'])} | {pct(c['mape']).lstrip('+')} | {pct(c['bias'])} | {r['n']} |")
+        lines += ["", f"Kendall tau (TPOT ranking of scored configurations): raw {self.tau_raw:.3f}, corrected {self.tau_corrected:.3f}", "",
+                  "Stage corrections (measured / predicted on the calibration runs): "
+                  + ", ".join(f"{k} x{v:.2f}" for k, v in self.corrections.stage_factors.items())
+                  + f"; prefill x{self.corrections.prefill_factor:.2f}", "", "Targets (corrected):"]
+        lines += [f"- {k}: {'pass' if v else 'FAIL'}" for k, v in self.passes("corrected").items()]
+        lines += ["", "| variant | context | budget | page | threads | TPOT meas ms | raw | corrected | TT2T meas s | raw | corrected |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in self.rows:
+            lines.append(
+                f"| {r['variant']} | {r['context']} | {r['budget']} | {r['page_size']} | {r['threads']} | {r['tpot_meas'] * 1e3:.1f} | "
+                f"{r['tpot_raw'] * 1e3:.1f} | {r['tpot_corr'] * 1e3:.1f} | {r['tt2t_meas']:.2f} | {r['tt2t_raw']:.2f} | {r['tt2t_corr']:.2f} |"
+            )
+        return "\n".join(lines) + "\n"
+
+
+def validate(runs: Sequence[MeasuredRun], sim: Any, rule: str = "context", seed: int = 0, hit: HitModel | None = None) -> ValidationReport:
+    """Predict ``runs``, fit corrections on the calibration split, score the held-out split."""
+    preds = predict_runs(runs, sim, hit)
+    cal, test = split_runs(runs, rule, seed)
+    corr = fit_corrections([preds[i] for i in cal], [runs[i] for i in cal]) if cal else Corrections({s: 1.0 for s in RUNTIME_STAGES})
+    fixed = [corr.apply(p) for p in preds]
+
+    def metrics(ps: Sequence[Prediction]) -> dict[str, dict[str, float]]:
+        out = {
+            "tpot": error_stats([ps[i].tpot_s for i in test], [runs[i].tpot_s for i in test]),
+            "tt2t": error_stats([ps[i].tt2t_s for i in test], [runs[i].tt2t_s for i in test]),
+            "ttft": error_stats([ps[i].ttft_s for i in test], [runs[i].ttft_s for i in test]),
+        }
+        for s in RUNTIME_STAGES:
+            have = [i for i in test if s in runs[i].stage_seconds]
+            out[f"stage {s}"] = error_stats([ps[i].stages[s] for i in have], [runs[i].stage_seconds[s] for i in have])
+        have = [i for i in test if measured_bytes_per_step(runs[i])]
+        out["bytes per step"] = error_stats([ps[i].bytes_per_step for i in have], [measured_bytes_per_step(runs[i]) or 0.0 for i in have])
+        return out
+
+    rows = [
+        dict(variant=runs[i].variant, context=runs[i].context, budget=runs[i].budget, page_size=runs[i].page_size,
+             threads=runs[i].threads, tpot_meas=runs[i].tpot_s, tpot_raw=preds[i].tpot_s, tpot_corr=fixed[i].tpot_s,
+             tt2t_meas=runs[i].tt2t_s, tt2t_raw=preds[i].tt2t_s, tt2t_corr=fixed[i].tt2t_s)
+        for i in test
+    ]
+    return ValidationReport(
+        rule=rule, n_calibration=len(cal), n_test=len(test), corrections=corr, raw=metrics(preds), corrected=metrics(fixed),
+        tau_raw=kendall_tau([preds[i].tpot_s for i in test], [runs[i].tpot_s for i in test]),
+        tau_corrected=kendall_tau([fixed[i].tpot_s for i in test], [runs[i].tpot_s for i in test]),
+        rows=rows,
+    )
+
+
+def synthetic_runs(
+    configs: Sequence[SimConfig], sim: Any, *, stage_factors: dict[str, float] | None = None, prefill_factor: float = 1.0,
+    noise: float = 0.0, seed: int = 0,
+) -> list[MeasuredRun]:
+    """Measured runs made from the simulator itself with known distortions (for testing `validate`).
+
+    Each runtime stage is multiplied by ``stage_factors[stage]`` and by log-normal noise of relative size
+    ``noise``; TPOT is the sum of the stages, TT2T the distorted prefill plus TPOT.
+    """
+    rng = random.Random(seed)
+    out = []
+    for cfg in configs:
+        res = sim.run(cfg)
+        st = runtime_stages(res)
+        st = {k: v * (stage_factors or {}).get(k, 1.0) * math.exp(rng.gauss(0.0, noise)) for k, v in st.items()}
+        tpot = sum(st.values())
+        pre = (res.tt2t_s - res.tpot_s) * prefill_factor * math.exp(rng.gauss(0.0, noise))
+        out.append(MeasuredRun(
+            variant=cfg.variant, model=cfg.model, context=cfg.context, budget=cfg.budget, page_size=cfg.page_size,
+            threads=cfg.threads, new_tokens=cfg.new_tokens, tpot_s=tpot, tt2t_s=pre + tpot,
+            ttft_s=res.ttft_s * prefill_factor, stage_seconds=st, hardware=cfg.hardware,
+            extra={"synthetic": True, "reuse_every": cfg.reuse, "dense_layers": cfg.dense_layers,
+                   "stats": {"steps": cfg.new_tokens - 1 or 1, "bytes_copied": res.bytes_per_step * (cfg.new_tokens - 1 or 1)}},
+        ))
+    return out
+
+
+def run_validate_cli(args: Any) -> int:
+    """The ``validate`` command."""
+    from icecache.sim.hitrate import load_hit_model
+    from icecache.sim.sweep import Simulator, load_profile_arg
+
+    runs = read_runs(args.runs)
+    profile = load_profile_arg(args)
+    hit = load_hit_model(args.hit, args.extrapolation) if args.hit else None
+    sim = Simulator(profile, hit, args.extrapolation)
+    report = validate(runs, sim, args.holdout)
+    md = report.to_markdown()
+    print(md)
+    if args.out:
+        p = Path(args.out)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(md)
+        p.with_suffix(".json").write_text(json.dumps(report.to_dict(), indent=1, default=str))
+        print(f"wrote {p} and {p.with_suffix('.json')}")
+    return 0

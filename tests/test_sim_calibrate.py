@@ -1,0 +1,96 @@
+"""The calibration harness (on the tiny random Llama; the real model is timed by `python -m icecache.sim calibrate`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from icecache.sim.calibrate import (
+    CalibrationSettings,
+    KeyPool,
+    capture_qk,
+    fit_profile_predictors,
+    interleaved,
+    measure_decode_step,
+    measure_loader,
+    measure_pager,
+    pool_efficiency,
+    run_calibration,
+)
+from icecache.sim.costs import CalibrationProfile
+from icecache.sim.hardware import get_hardware, make_costs
+from icecache.sim.model import SimConfig, simulate
+from icecache.sim.shapes import register_shape, shape_from_config
+
+
+def test_interleaved_rounds_time_every_function():
+    calls = []
+    out = interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, reps=3, warmup=1)
+    assert calls == ["a", "b"] * 4 and all(len(v) == 3 for v in out.values())
+
+
+def test_decode_step_leaves_the_cache_at_its_length(tiny_llama):
+    rows = measure_decode_step(tiny_llama, (8, 32), reps=2)
+    assert [r["context"] for r in rows] == [8, 32] and all(len(r["seconds"]) == 2 for r in rows)
+
+
+def test_captured_keys_and_queries_are_the_models(tiny_llama):
+    ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(0))
+    q, k = capture_qk(tiny_llama, ids)
+    assert q.shape == (4, 8, 24, 16) and k.shape == (4, 2, 24, 16)
+    with torch.inference_mode():
+        out = tiny_llama(input_ids=ids, use_cache=True)
+    assert torch.allclose(k[1], out.past_key_values.layers[1].keys[0].float())
+    # the captured post-RoPE queries reproduce the model's attention scores: causal softmax of q.k rows sums to 1
+    att = torch.softmax((q[0, 0] @ k[0, 0].T).masked_fill(torch.ones(24, 24).triu(1).bool(), float("-inf")), -1)
+    assert torch.allclose(att.sum(-1), torch.ones(24))
+
+
+def test_pager_and_loader_measurements_fit(tiny_llama):
+    ids = torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(0))
+    pool = KeyPool(*capture_qk(tiny_llama, ids))
+    rows = measure_pager("sequential", pool, (64, 128), (8, 16), (16, 32), reps=2, insert_reps=2, time_limit_s=5, log=lambda s: None)
+    assert len(rows["build"]) == 4 and len(rows["select"]) == 8 and [r["n"] for r in rows["insert"]] == [64, 128]
+    loader = measure_loader((8,), (4, 16), 16, 1 << 16, reps=2)
+    preds = fit_profile_predictors({"pagers": {"sequential": rows}, **loader})
+    assert {"select/sequential", "build/sequential", "insert/sequential", "gather", "copy", "scatter"} <= set(preds)
+    assert preds["gather"].lo == (4 * 8 * 16 * 4, 4.0)
+
+
+def test_pool_efficiency_from_makespans():
+    rows = [{"threads": 0, "jobs": 1, "seconds": [1.0]}, {"threads": 1, "jobs": 3, "seconds": [3.0]},
+            {"threads": 2, "jobs": 3, "seconds": [3.0]}, {"threads": 3, "jobs": 3, "seconds": [1.0]}]
+    assert pool_efficiency(rows, "median") == {"1": 1.0, "2": pytest.approx(2 / 3), "3": 1.0}
+
+
+def test_quick_calibration_end_to_end(tiny_llama, tmp_path):
+    prof = run_calibration(CalibrationSettings.quick(), model=tiny_llama, model_name="tiny-llama",
+                           out=tmp_path / "p.json", log=lambda s: None)
+    back = CalibrationProfile.load(tmp_path / "p.json")
+    assert set(back.predictors) >= {"decode_step", "attention", "lm_head", "prefill", "gather", "copy", "scatter"}
+    assert back.meta["shape"]["layers"] == 4 and back.samples["decode_step"]
+    register_shape(shape_from_config(tiny_llama.config, "tiny-llama"))
+    costs = make_costs(get_hardware("this-machine", prof), prof, "allow")
+    res = simulate(SimConfig("tiny-llama", "this-machine", "quest", 200, budget=32, page_size=8, threads=2, dense_layers=1), costs)
+    assert res.tpot_s > 0 and res.tt2t_s > res.ttft_s > 0
+
+
+def test_merging_profiles_keeps_what_was_not_remeasured():
+    import dataclasses
+
+    from icecache.core.errors import ConfigError
+    from icecache.sim.calibrate import merge_profiles
+    from icecache.sim.testing import synthetic_profile
+
+    rows = lambda t: [{"context": 128, "seconds": [t]}, {"context": 8192, "seconds": [2 * t]}]  # noqa: E731
+    base = dataclasses.replace(synthetic_profile(), samples={"decode_step": rows(0.04), "copy": [{"bytes": 1e6, "seconds": [1e-4]}]})
+    new = dataclasses.replace(synthetic_profile(), created="later", samples={"decode_step": rows(0.4), "copy": [{"bytes": 1e6, "seconds": [2e-4]}]})
+    m = merge_profiles(base, new, ["loader"])
+    assert m.samples["decode_step"] == base.samples["decode_step"] and m.samples["copy"] == new.samples["copy"]
+    assert m.predictors["copy"].params[0] + m.predictors["copy"].params[1] * 1e6 == pytest.approx(2e-4)
+    assert [r["components"] for r in m.meta["runs"]] == [["model", "pagers", "pool"], ["loader"]]
+    with pytest.raises(ConfigError, match="components"):
+        merge_profiles(base, new, ["gpu"])
+    other = dataclasses.replace(new, machine={**new.machine, "cpu_model": "other"})
+    with pytest.raises(ConfigError, match="machines"):
+        merge_profiles(base, other, ["loader"])

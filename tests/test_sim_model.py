@@ -1,0 +1,254 @@
+"""The SimPy timing model against closed-form oracles, the paper's breakdown, and its own fine-grained twin."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from icecache.core.errors import ConfigError, UnknownNameError
+from icecache.sim.costs import flowline_makespan_s, pool_makespan_s
+from icecache.sim.hardware import get_hardware, make_costs
+from icecache.sim.hitrate import HitStats, synthetic_trace
+from icecache.sim.model import (
+    STAGES,
+    LayerPlan,
+    PrefillLayer,
+    PrefillPlan,
+    SimConfig,
+    StepPlan,
+    _groups,
+    component_plan,
+    parse_tokens,
+    simulate,
+    simulate_request,
+    simulate_step,
+)
+from icecache.sim.testing import synthetic_profile
+
+times = st.floats(min_value=1e-5, max_value=1e-2, allow_nan=False)
+
+
+def _sparse_plan(n_layers: int, t: dict, jobs: int, threads: int, shared: bool = False, reuse: int = 1, prefetch: bool = True) -> StepPlan:
+    groups, index_of = _groups(n_layers, 0, reuse, "icecache-r" if reuse > 1 else "icecache")
+    layers = tuple(
+        LayerPlan("sparse", selects=index_of[l] == l, compute_s=t["compute"], attend_s=t["attend"],
+                  insert_jobs=jobs if index_of[l] == l else 0, insert_job_s=t["insert"],
+                  select_jobs=jobs if index_of[l] == l else 0, select_job_s=t["select"],
+                  gather_s=t["gather"], copy_s=t["copy"], scatter_s=t["scatter"])
+        for l in range(n_layers)
+    )
+    return StepPlan(layers, t["head"], t["other"], threads, 1.0, shared, prefetch, groups, index_of)
+
+
+stage_times = st.fixed_dictionaries(
+    {k: times for k in ("compute", "attend", "insert", "select", "gather", "copy", "scatter", "head", "other")}
+)
+
+
+@settings(max_examples=30)
+@given(t=stage_times, n_layers=st.integers(1, 6), jobs=st.integers(1, 9), threads=st.integers(1, 9), shared=st.booleans())
+def test_uncontended_decode_step_is_the_serial_sum(t, n_layers, jobs, threads, shared):
+    plan = _sparse_plan(n_layers, t, jobs, threads, shared)
+    rounds = math.ceil(jobs / threads)
+    per_layer = t["compute"] + t["attend"] + rounds * (t["insert"] + t["select"]) + t["gather"] + t["copy"] + t["scatter"]
+    expected = n_layers * per_layer + t["head"] + t["other"]
+    for fine in (False, True):
+        res = simulate_step(plan, fine=fine)
+        assert res.seconds == pytest.approx(expected, rel=1e-9)
+        # busy times are the stage times, and they add up to the step
+        assert sum(res.busy.values()) == pytest.approx(expected, rel=1e-9)
+        assert res.busy["select"] == pytest.approx(n_layers * rounds * t["select"], rel=1e-9)
+
+
+@settings(max_examples=30)
+@given(g=times, o=times, x=times, n_layers=st.integers(1, 12), jobs=st.integers(1, 8))
+def test_prefill_pipeline_is_sum_plus_l_minus_1_max(g, o, x, n_layers, jobs):
+    # T == J: every layer's index build is one round of x on the whole pool, a single-server stage
+    plan = PrefillPlan(tuple(PrefillLayer(g, o, jobs, x) for _ in range(n_layers)), 0.0, jobs, 1.0, False)
+    step = _sparse_plan(n_layers, dict.fromkeys(("compute", "attend", "insert", "select", "gather", "copy", "scatter", "head", "other"), 0.0), 1, jobs)
+    for fine in (False, True):
+        res = simulate_request(plan, step, fine=fine)
+        assert res.prefill_end_s == pytest.approx(g + o + x + (n_layers - 1) * max(g, o, x), rel=1e-9)
+        assert res.ttft_s == pytest.approx(n_layers * g, rel=1e-9)
+
+
+@settings(max_examples=25)
+@given(rows=st.lists(st.tuples(times, times, times), min_size=1, max_size=8), jobs=st.integers(1, 4))
+def test_prefill_pipeline_matches_the_flowline_recurrence(rows, jobs):
+    plan = PrefillPlan(tuple(PrefillLayer(g, o, jobs, x) for g, o, x in rows), 0.0, jobs, 1.0, False)
+    step = _sparse_plan(len(rows), dict.fromkeys(("compute", "attend", "insert", "select", "gather", "copy", "scatter", "head", "other"), 0.0), 1, jobs)
+    res = simulate_request(plan, step)
+    assert res.prefill_end_s == pytest.approx(flowline_makespan_s(rows), rel=1e-9)
+
+
+@settings(max_examples=40)
+@given(jobs=st.integers(1, 70), threads=st.integers(1, 70), t=times)
+def test_thread_pool_makespan_is_ceil_h_over_t(jobs, threads, t):
+    zero = dict.fromkeys(("compute", "attend", "insert", "gather", "copy", "scatter", "head", "other"), 0.0)
+    plan = _sparse_plan(1, {**zero, "select": t}, jobs, threads)
+    assert pool_makespan_s(t, jobs, threads) == math.ceil(jobs / threads) * t
+    for fine in (False, True):
+        assert simulate_step(plan, fine=fine).seconds == pytest.approx(math.ceil(jobs / threads) * t, rel=1e-9)
+
+
+def test_paper_breakdown_is_reproduced_from_its_component_times():
+    """A100, Llama-3.1-8B, 36k: DCI 0.05 + decoding 0.04 + loading 0.015 + other 0.005 = 0.11 s TPOT."""
+    base = component_plan(layers=32, select_s=0.05, decode_s=0.04, load_s=0.015, other_s=0.005, kv_heads=8, threads=64)
+    res = simulate_step(base)
+    assert res.seconds == pytest.approx(0.11, rel=1e-9)
+    assert res.busy["select"] == pytest.approx(0.05) and res.busy["compute"] == pytest.approx(0.04)
+    assert res.busy["gather"] == pytest.approx(0.015) and res.busy["other"] == pytest.approx(0.005)
+    # reuse: the selection of one layer serves the next 3, and their pages load while earlier layers compute
+    reuse = simulate_step(component_plan(layers=32, select_s=0.05, decode_s=0.04, load_s=0.015, other_s=0.005, reuse=4))
+    assert reuse.seconds == pytest.approx(0.06, rel=0.05)
+    # without the prefetch edges the same reuse saves only the skipped queries
+    no_pf = simulate_step(component_plan(layers=32, select_s=0.05, decode_s=0.04, load_s=0.015, other_s=0.005, reuse=4, prefetch=False))
+    assert no_pf.seconds == pytest.approx(0.11 - 0.05 * 3 / 4, rel=1e-9)
+    assert reuse.seconds < no_pf.seconds
+
+
+@settings(max_examples=30)
+@given(t=stage_times, n_layers=st.integers(2, 8), k=st.integers(1, 3), threads=st.integers(1, 4),
+       reuse=st.integers(1, 4), up=st.booleans(), prefetch=st.booleans())
+def test_coarse_model_equals_the_fine_per_head_oracle_when_pool_rounds_align(t, n_layers, k, threads, reuse, up, prefetch):
+    jobs = threads * k if up else max(1, threads // k)  # T divides J, or J divides T
+    if not up and threads % jobs:
+        jobs = threads
+    plan = _sparse_plan(n_layers, t, jobs, threads, reuse=reuse, prefetch=prefetch)
+    coarse, fine = simulate_step(plan), simulate_step(plan, fine=True)
+    assert coarse.seconds == pytest.approx(fine.seconds, rel=1e-9)
+    pre = PrefillPlan(tuple(PrefillLayer(t["compute"], t["copy"], jobs, t["select"]) for _ in range(n_layers)), t["head"], threads, 1.0, False)
+    a, b = simulate_request(pre, plan), simulate_request(pre, plan, fine=True)
+    # Once prefill builds and the first decode step compete for the pool, the coarse model (a stage holds its
+    # threads for its whole makespan) is a conservative bound of the per-job oracle, not equal to it.
+    assert b.prefill_end_s <= a.prefill_end_s * (1 + 1e-9)
+    assert a.ttft_s == pytest.approx(b.ttft_s, rel=1e-9)
+
+
+@settings(max_examples=25)
+@given(g=times, x=times, n_layers=st.integers(2, 8), jobs=st.integers(1, 7), threads=st.integers(1, 7))
+def test_fine_prefill_is_never_slower_than_coarse(g, x, n_layers, jobs, threads):
+    pre = PrefillPlan(tuple(PrefillLayer(g, 0.0, jobs, x) for _ in range(n_layers)), 0.0, threads, 1.0, False)
+    step = _sparse_plan(n_layers, dict.fromkeys(("compute", "attend", "insert", "select", "gather", "copy", "scatter", "head", "other"), 0.0), 1, threads)
+    assert simulate_request(pre, step, fine=True).prefill_end_s <= simulate_request(pre, step).prefill_end_s * (1 + 1e-9)
+
+
+# ------------------------------------------------------------------------------ through the cost models
+@pytest.fixture(scope="module")
+def profile():
+    return synthetic_profile()
+
+
+def _costs(hw, profile):
+    return make_costs(get_hardware(hw, profile), profile, "allow")
+
+
+def test_h100_full_kv_reproduces_the_line_it_was_fitted_to(profile):
+    costs = _costs("h100", profile)
+    for n in (50_000, 150_000, 300_000):
+        res = simulate(SimConfig("qwen3-4b", "h100", "full", n - 16, new_tokens=32), costs, with_prefill=False)
+        assert res.tpot_s == pytest.approx(0.030 + 1.07e-6 * n, rel=1e-6)
+
+
+def test_host_scale_reproduces_the_anchor_dci_time(profile):
+    costs = _costs("a100", profile)
+    res = simulate(SimConfig("llama-3.1-8b", "a100", "icecache", 36_000, threads=64, new_tokens=1), costs, with_prefill=False)
+    assert res.components()["dci_query"] == pytest.approx(0.05, rel=1e-6)
+    assert res.tpot_s == pytest.approx(sum(res.stages.values()), rel=1e-9)  # serial without reuse
+
+
+def test_reuse_runs_one_query_in_r_layers_and_prefetch_overlaps(profile):
+    costs = _costs("a100", profile)
+    cfg = SimConfig("llama-3.1-8b", "a100", "icecache", 36_000, threads=64)
+    base = simulate(cfg, costs, with_prefill=False)
+    r = simulate(cfg.replace(variant="icecache-r", reuse=5), costs, with_prefill=False)
+    sparse = 32 - cfg.dense_layers
+    assert r.stages["select"] == pytest.approx(base.stages["select"] * math.ceil(sparse / 5) / sparse, rel=1e-9)
+    assert r.tpot_s < sum(r.stages.values())  # overlapping stages
+    assert r.tpot_s < base.tpot_s
+
+
+def test_trace_replay_matches_the_parametric_path_with_the_same_statistics(profile):
+    costs = _costs("this-machine", profile)
+    cfg = SimConfig("smollm2-135m-instruct", "this-machine", "icecache", 4000, budget=256, page_size=16, threads=2)
+    trace = synthetic_trace(steps=4, layers=range(2, 30), kv_heads=3, budget=256, page_size=16, context=4000, page_hit_rate=0.5)
+    trace.records = [r for r in trace.records if r["step"] > 0]  # steady state: every step keeps half its pages
+    replay = simulate(cfg, costs, trace, with_prefill=False)
+
+    class Fixed:
+        def predict(self, *a, **k):
+            return HitStats(0.5, 1.0, 1.0, "fixed")
+
+    param = simulate(cfg, costs, Fixed(), with_prefill=False)
+    assert replay.bytes_per_step == pytest.approx(param.bytes_per_step, rel=1e-9)
+    assert replay.tpot_s == pytest.approx(param.tpot_s, rel=1e-9)
+    assert replay.page_hit_rate == pytest.approx(0.5)
+
+
+def test_more_page_hits_move_fewer_bytes_and_never_slow_down(profile):
+    costs = _costs("h100", profile)
+    cfg = SimConfig("llama-3.1-8b", "h100", "icecache", 64_000, threads=16)
+    out = []
+    for h in (0.0, 0.5, 0.9):
+        class Fixed:
+            def predict(self, *a, h=h, **k):
+                return HitStats(h, 1.0, 1.0, "fixed")
+
+        out.append(simulate(cfg, costs, Fixed(), with_prefill=False))
+    assert out[0].bytes_per_step > out[1].bytes_per_step > out[2].bytes_per_step
+    assert out[0].tpot_s >= out[1].tpot_s >= out[2].tpot_s
+    # bytes = sparse layers x KV heads x new pages x page bytes (bf16)
+    assert out[1].bytes_per_step == pytest.approx(30 * 8 * (256 / 16) * 0.5 * 2 * 16 * 128 * 2)
+
+
+def test_tt2t_follows_the_first_token_and_waits_for_the_indexes(profile):
+    costs = _costs("a100", profile)
+    res = simulate(SimConfig("llama-3.1-8b", "a100", "icecache", 32_000, threads=8), costs)
+    assert res.ttft_s + res.tpot_s <= res.tt2t_s * (1 + 1e-9)
+    assert res.tt2t_s <= max(res.prefill_end_s, res.ttft_s) + res.tpot_s + 1e-9
+
+
+def test_device_memory_feasibility(profile):
+    costs = _costs("a100", profile)
+    big = SimConfig("llama-3.1-8b", "a100", "full", 1_000_000)
+    assert not simulate(big, costs, with_prefill=False).fits_device
+    assert simulate(big.replace(variant="icecache"), costs, with_prefill=False).fits_device
+
+
+@pytest.mark.parametrize(
+    "kw, err",
+    [
+        (dict(hardware="tpu-v9"), UnknownNameError),
+        (dict(model="gpt-9"), UnknownNameError),
+        (dict(variant="magic"), UnknownNameError),
+        (dict(context=-5), ConfigError),
+        (dict(page_size=0), ConfigError),
+        (dict(threads=0), ConfigError),
+        (dict(budget=-1), ConfigError),
+        (dict(budget=5000, context=4000), ConfigError),
+        (dict(dense_layers=40), ConfigError),
+        (dict(reuse=0), ConfigError),
+    ],
+)
+def test_bad_configs_raise_clear_errors(kw, err):
+    args = dict(model="llama-3.1-8b", hardware="a100", variant="icecache", context=36_000)
+    args.update(kw)
+    with pytest.raises(err) as exc:
+        SimConfig(**args)
+    assert any(str(v) in str(exc.value) for v in kw.values()) or "budget" in str(exc.value)
+
+
+def test_parse_tokens():
+    assert parse_tokens("36k") == 36_000 and parse_tokens("1m") == 1_000_000 and parse_tokens("4096") == 4096
+    with pytest.raises(ConfigError):
+        parse_tokens("lots")
+
+
+def test_stage_names_are_the_reported_ones(profile):
+    res = simulate(SimConfig("smollm2", "this-machine", "quest", 4000, budget=128, threads=2), _costs("this-machine", profile))
+    assert set(res.stages) == set(STAGES)
+    assert res.tpot_s == pytest.approx(sum(res.stages.values()), rel=1e-9)  # one shared CPU: everything serial
+    assert math.isfinite(res.tt2t_s) and res.tt2t_s > res.ttft_s

@@ -1,0 +1,126 @@
+"""Sweeps, crossovers and the command line of the simulator."""
+
+from __future__ import annotations
+
+import csv
+import math
+import sys
+
+import pytest
+
+from icecache.core.errors import ConfigError, UnknownNameError
+from icecache.sim.__main__ import main
+from icecache.sim.model import SimConfig
+from icecache.sim.sweep import SweepSpec, Simulator, crossovers, find_crossover, parse_contexts, run_configs
+from icecache.sim.testing import synthetic_profile
+
+
+def test_parse_contexts():
+    assert parse_contexts("8k..64k") == [8000, 16000, 32000, 64000]
+    pts = parse_contexts("8k..256k:6")
+    assert pts[0] == 8000 and pts[-1] == 256000 and len(pts) == 6
+    assert parse_contexts("4096,36k") == [4096, 36000]
+    with pytest.raises(ConfigError):
+        parse_contexts("64k..8k")
+
+
+def _spec(**kw):
+    args = dict(hardware="a100,h100", models="llama-3.1-8b", contexts="8k..64k", budgets="64,256", page_sizes="8,16",
+                threads="8,64", variants="full,icecache,icecache-r,quest")
+    args.update(kw)
+    return SweepSpec.from_strings(**args)
+
+
+def test_grid_expansion_collapses_full_kv():
+    spec = _spec()
+    cfgs = spec.configs()
+    per_ctx = 1 + 3 * 2 * 2 * 2
+    assert len(cfgs) == 2 * 4 * per_ctx
+    assert sum(c.variant == "full" for c in cfgs) == 2 * 4
+    with pytest.raises(UnknownNameError):
+        _spec(variants="full,warp")
+    with pytest.raises(UnknownNameError):
+        _spec(hardware="a100,tpu")
+
+
+def test_process_pool_gives_the_same_rows_as_serial():
+    cfgs = _spec(hardware="h100", contexts="8k..256k:4").configs()
+    assert len(cfgs) >= 64  # large enough to use the pool
+    prof = synthetic_profile()
+    a = run_configs(cfgs, prof, backend="serial", with_prefill=False)
+    b = run_configs(cfgs, prof, backend="process", workers=2, with_prefill=False)
+    assert [r["tpot_s"] for r in a] == [r["tpot_s"] for r in b]
+
+
+def test_ray_backend_is_optional(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)
+    cfgs = _spec(hardware="h100", contexts="8k..256k:4").configs()
+    with pytest.raises(ConfigError, match="pip install ray"):
+        run_configs(cfgs, synthetic_profile(), backend="ray", with_prefill=False)
+
+
+def test_crossover_interpolation():
+    rows = [dict(hardware="h", model="m", variant="full", budget=0, page_size=0, threads=0, context=c, tpot_s=0.01 * c)
+            for c in (1, 2, 4)]
+    rows += [dict(hardware="h", model="m", variant="icecache", budget=1, page_size=1, threads=1, context=c, tpot_s=0.025)
+             for c in (1, 2, 4)]
+    (x,) = crossovers(rows)
+    assert x["crossover_tokens"] == pytest.approx(2.5)
+
+
+def test_bisection_crossover_agrees_with_the_grid():
+    sim = Simulator(synthetic_profile())
+    cfg = SimConfig("qwen3-4b", "h100", "icecache", 100_000, threads=64)
+    x = find_crossover(sim, cfg)
+    assert math.isfinite(x) and 10_000 < x < 4_000_000
+    below = sim.run(cfg.replace(context=int(x * 0.9)), with_prefill=False).tpot_s
+    above = sim.run(cfg.replace(context=int(x * 1.1)), with_prefill=False).tpot_s
+    assert below > sim.run(cfg.replace(context=int(x * 0.9), variant="full"), with_prefill=False).tpot_s
+    assert above < sim.run(cfg.replace(context=int(x * 1.1), variant="full"), with_prefill=False).tpot_s
+
+
+def test_sweep_command_writes_csv_markdown_and_plots(tmp_path, capsys):
+    prof = synthetic_profile().save(tmp_path / "profile.json")
+    out = tmp_path / "sweep"
+    rc = main(["sweep", "--hardware", "a100,h100", "--model", "qwen3-4b", "--context", "16k..256k", "--budgets", "128,256",
+               "--page-sizes", "16", "--threads", "64", "--variants", "full,icecache,icecache-r", "--profile", str(prof),
+               "--out-dir", str(out), "--backend", "serial"])
+    assert rc == 0
+    rows = list(csv.DictReader((out / "results.csv").open()))
+    assert len(rows) == 2 * 5 * (1 + 2 * 2)
+    md = (out / "summary.md").read_text()
+    assert "wall time" in md and "python -m icecache.sim sweep" in md and "Crossover" in md
+    for name in ("tpot_vs_context.png", "stage_breakdown.png", "hit_rate_vs_budget.png"):
+        assert (out / name).stat().st_size > 1000
+
+
+def test_cli_errors_are_clear(tmp_path, capsys):
+    prof = synthetic_profile().save(tmp_path / "profile.json")
+    assert main(["crossover", "--hardware", "tpu", "--profile", str(prof)]) == 2
+    assert "unknown hardware" in capsys.readouterr().err
+    assert main(["sweep", "--profile", str(tmp_path / "none.json"), "--out-dir", str(tmp_path)]) == 2
+    assert "calibrate" in capsys.readouterr().err
+
+
+def test_hardware_and_models_listings(capsys):
+    assert main(["hardware"]) == 0
+    out = capsys.readouterr().out
+    assert "h100-sxm" in out and "nvbandwidth" in out and "calibrated" in out
+    assert main(["models"]) == 0
+    assert "qwen3-4b" in capsys.readouterr().out
+
+
+def test_crossings_find_a_window_where_the_variant_wins():
+    from icecache.sim.sweep import SelectGrowth, crossings
+
+    prof = synthetic_profile()
+    sim = Simulator(prof)
+    cfg = SimConfig("qwen3-4b", "h100", "icecache", 100_000, threads=64)
+    base = sim.costs("h100-sxm")
+    steep = Simulator(prof)
+    steep._costs["h100-sxm"] = SelectGrowth(base, 1_000_000, 2.0)  # index queries outgrow attention past 1M
+    cr = crossings(steep, cfg)
+    assert [d for _, d in cr] == ["faster", "slower"] and cr[0][0] < cr[1][0]
+    flat = Simulator(prof)
+    flat._costs["h100-sxm"] = SelectGrowth(base, 36_000, 0.0)
+    assert find_crossover(flat, cfg) <= find_crossover(sim, cfg)  # a context-free query cost crosses no later

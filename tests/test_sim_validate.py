@@ -1,0 +1,125 @@
+"""Validation of the simulator against measured runs (synthetic runs with known distortions)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from icecache.core.errors import ConfigError, InputError
+from icecache.sim.__main__ import main
+from icecache.sim.model import SimConfig
+from icecache.sim.sweep import Simulator
+from icecache.sim.testing import synthetic_profile
+from icecache.sim.validate import (
+    MeasuredRun,
+    error_stats,
+    kendall_tau,
+    read_runs,
+    split_runs,
+    synthetic_runs,
+    validate,
+)
+
+
+@pytest.fixture(scope="module")
+def sim():
+    return Simulator(synthetic_profile())
+
+
+def _configs():
+    return [
+        SimConfig("smollm2", "this-machine", v, n, budget=b, page_size=p, threads=t)
+        for v in ("full", "icecache", "icecache-r", "quest")
+        for n in (1024, 2048, 4096, 7000)
+        for b, p, t in ((64, 16, 1), (256, 8, 2))
+        if not (v == "full" and b == 64)
+    ]
+
+
+def test_error_stats_and_tau():
+    s = error_stats([1.1, 0.9, 1.2], [1.0, 1.0, 1.0])
+    assert s["mape"] == pytest.approx(0.4 / 3) and s["bias"] == pytest.approx(0.2 / 3)
+    assert kendall_tau([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert kendall_tau([1, 2, 3, 4], [40, 30, 20, 10]) == pytest.approx(-1.0)
+
+
+def test_exact_runs_validate_perfectly(sim):
+    runs = synthetic_runs(_configs(), sim)
+    rep = validate(runs, sim, "context")
+    assert rep.raw["tpot"]["mape"] < 1e-9 and rep.raw["tt2t"]["mape"] < 1e-9
+    assert rep.tau_raw == pytest.approx(1.0)
+    assert all(rep.passes("raw").values())
+    assert rep.raw["bytes per step"]["n"] > 0 and rep.raw["bytes per step"]["mape"] < 1e-9
+
+
+def test_known_stage_distortions_are_detected_raw_and_removed_by_calibration(sim):
+    factors = {"select": 1.4, "attend": 0.7, "other": 1.15, "gather": 2.0}
+    runs = synthetic_runs(_configs(), sim, stage_factors=factors, prefill_factor=1.3)
+    rep = validate(runs, sim, "context")
+    assert rep.n_calibration > 0 and rep.n_test > 0
+    assert rep.raw["tpot"]["mape"] > 0.05 and rep.raw["tt2t"]["bias"] < -0.1  # the distortion shows ...
+    assert rep.corrected["tpot"]["mape"] < 1e-6 and rep.corrected["tt2t"]["mape"] < 1e-6  # ... and is fitted away
+    for stage, f in factors.items():
+        assert rep.corrections.stage_factors[stage] == pytest.approx(f, rel=1e-6)
+    assert rep.corrections.prefill_factor == pytest.approx(1.3, rel=1e-6)
+
+
+def test_noisy_runs_meet_the_targets_after_calibration_and_a_broken_model_does_not(sim):
+    runs = synthetic_runs(_configs(), sim, stage_factors={"select": 1.2}, noise=0.03, seed=1)
+    rep = validate(runs, sim, "random", seed=3)
+    assert rep.corrected["tpot"]["mape"] < 0.15 and abs(rep.corrected["tpot"]["bias"]) < 0.05
+    assert rep.tau_corrected >= 0.8
+    # a simulator that ignores context entirely cannot rank the configurations
+    flat = [MeasuredRun(**{**r.__dict__, "tpot_s": 1.0 + 0.01 * i}) for i, r in enumerate(reversed(runs))]
+    bad = validate(flat, sim, "random", seed=3)
+    assert not all(bad.passes("corrected").values())
+
+
+def test_holdout_rules(sim):
+    runs = synthetic_runs(_configs()[:8], sim)
+    cal, test = split_runs(runs, "context")
+    assert max(runs[i].context for i in cal) < min(runs[i].context for i in test)
+    cal, test = split_runs(runs, "threads")
+    assert {runs[i].threads for i in cal} == {1} and {runs[i].threads for i in test} == {2}
+    assert split_runs(runs, "none") == ([], list(range(len(runs))))
+    with pytest.raises(ConfigError):
+        split_runs(runs, "astrology")
+
+
+def test_measured_run_format(tmp_path, sim):
+    runs = synthetic_runs(_configs()[:3], sim)
+    p = tmp_path / "runs.jsonl"
+    p.write_text("\n".join(json.dumps(r.to_dict()) for r in runs) + "\n\n")
+    back = read_runs(p)
+    assert [r.tpot_s for r in back] == [r.tpot_s for r in runs]
+    assert back[0].config().model == "smollm2-135m-instruct"
+    bad = runs[0].to_dict()
+    del bad["tt2t_s"]
+    p.write_text(json.dumps(bad))
+    with pytest.raises(InputError, match="tt2t_s"):
+        read_runs(p)
+    with pytest.raises(ConfigError):
+        read_runs(tmp_path / "missing.jsonl")
+
+
+def test_measured_page_reuse_rate_is_used_as_an_input(sim):
+    cfg = SimConfig("smollm2", "this-machine", "icecache", 4096, budget=256, page_size=16, threads=2)
+    (run,) = synthetic_runs([cfg], sim)
+    from icecache.sim.validate import predict_runs
+
+    lo = predict_runs([MeasuredRun(**{**run.__dict__, "extra": {"page_reuse_rate": 0.0}})], sim)[0]
+    hi = predict_runs([MeasuredRun(**{**run.__dict__, "extra": {"page_reuse_rate": 0.9}})], sim)[0]
+    assert hi.stages["gather"] < lo.stages["gather"]
+
+
+def test_validate_command(tmp_path, capsys, sim):
+    prof = synthetic_profile().save(tmp_path / "profile.json")
+    runs = synthetic_runs(_configs(), sim, stage_factors={"attend": 1.1}, noise=0.02)
+    p = tmp_path / "runs.jsonl"
+    p.write_text("\n".join(json.dumps(r.to_dict()) for r in runs))
+    assert main(["validate", "--runs", str(p), "--profile", str(prof), "--out", str(tmp_path / "val.md")]) == 0
+    md = (tmp_path / "val.md").read_text()
+    assert "Kendall tau" in md and "MAPE" in md
+    data = json.loads((tmp_path / "val.json").read_text())
+    assert data["n_test"] > 0 and "passes_corrected" in data
