@@ -31,6 +31,7 @@ def test_defaults_match_the_definitions():
         ("dense_layers", 2, r"dense_layers"),
         ("index_params", [1], r"index_params must be a dict"),
         ("trace", "yes", r"trace must be a bool"),
+        ("gqa", "both", r"gqa must be"),
     ],
 )
 def test_bad_values_raise_config_error(field, value, pattern):

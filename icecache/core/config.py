@@ -51,6 +51,10 @@ class IceCacheConfig:
         Seed of every random choice (index directions, levels); results do not depend on ``threads``.
     trace : bool
         Record a per-step selection trace (for the simulator).
+    gqa : {"union", "per-head"}
+        How a GQA group shares its KV head's budget: ``"union"`` (IceCache) ranks pages once for the whole
+        group (a token's score is its best q.k over the group's query heads); ``"per-head"`` lets every
+        query head select ``budget // group`` tokens on its own and attends the union.
     """
 
     budget: int = 256
@@ -64,6 +68,7 @@ class IceCacheConfig:
     threads: int = 0
     seed: int = 0
     trace: bool = False
+    gqa: str = "union"
 
     def __post_init__(self) -> None:
         for name, (lo, hi) in _INT_RANGES.items():
@@ -90,6 +95,8 @@ class IceCacheConfig:
             raise ConfigError(f"IceCacheConfig.dense_layers must be a tuple of layer indices >= 0, got {self.dense_layers!r}")
         if not isinstance(self.trace, bool):
             raise ConfigError(f"IceCacheConfig.trace must be a bool, got {self.trace!r}")
+        if self.gqa not in ("union", "per-head"):
+            raise ConfigError(f"IceCacheConfig.gqa must be 'union' or 'per-head', got {self.gqa!r}")
 
     @property
     def num_threads(self) -> int:

@@ -261,11 +261,19 @@ class IceCacheLayer(CacheLayerMixin):
                 for b in range(B):
                     prow, irow = [], []
                     for h in range(H):
-                        sel = self.pagers[b][h].select(q_host[b, h], self.budget, check=False)
-                        prow.append(sel.positions.numpy())
-                        irow.append(sel.indptr.numpy())
+                        pager = self.pagers[b][h]
+                        if cfg.gqa == "union":
+                            sel = pager.select(q_host[b, h], self.budget, check=False)
+                            pos, ip, pages = sel.positions.numpy(), sel.indptr.numpy(), sel.pages.numpy()
+                        else:  # every query head picks budget // n_rep tokens; attend the union
+                            sels = [pager.select(q_host[b, h, g : g + 1], self.budget // n_rep, check=False) for g in range(n_rep)]
+                            pages, keep = np.unique(np.concatenate([s.pages.numpy() for s in sels]), return_index=True)
+                            pages = np.concatenate([s.pages.numpy() for s in sels])[np.sort(keep)]
+                            ip, pos = pager.table.csr(pages)
+                        prow.append(pos)
+                        irow.append(ip)
                         if cfg.trace:
-                            cache._trace_pages[(self.layer_idx, b, h)] = sel.pages.numpy()
+                            cache._trace_pages[(self.layer_idx, b, h)] = pages
                     positions.append(prow)
                     indptrs.append(irow)
                 if shared is not None:
