@@ -88,6 +88,7 @@ class IceCacheLayer(CacheLayerMixin):
         self.loader = BulkLoader(self.buf_k, self.buf_v, self.buf_valid, self.S, self.budget)
         self.pad = np.zeros(B, dtype=np.int64)
         self.num_sinks = np.zeros(B, dtype=np.int64)
+        self.offloaded = 0
         self.keys = self.buf_k  # what `CacheLayerMixin` users look at
         self.values = self.buf_v
         self.is_initialized = True
@@ -158,6 +159,7 @@ class IceCacheLayer(CacheLayerMixin):
         self.pad = pad
         # window ring: the last W positions
         w0 = max(0, T - W)
+        self.offloaded = w0  # positions below this one have left the window (sinks or host pages)
         wpos = torch.arange(w0, T)
         ring = R + wpos % W
         self.buf_k[:, :, ring] = k[:, :, w0:T]
@@ -198,6 +200,11 @@ class IceCacheLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------------ decode
     def _decode_append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append the new token to the window ring; the token it displaces becomes a sink or goes to the host.
+
+        The host insert of a displaced middle token was normally prefetched on a worker during the previous
+        step (see `attend`); `pipeline.wait` makes sure it finished. Otherwise it happens here.
+        """
         cache = self.cache
         fault = cache._fault_hooks.get("decode")
         if fault is not None:
@@ -210,31 +217,56 @@ class IceCacheLayer(CacheLayerMixin):
         old = p - W
         with cache.timer.stage("insert"):
             if old >= 0:  # the token in this ring slot leaves the window now
-                leaving_k = self.buf_k[:, :, ring].to("cpu")  # [B, H, D]
-                leaving_v = self.buf_v[:, :, ring].to("cpu")
-                keys32 = leaving_k.float()
-                if not bool(torch.isfinite(keys32).all()):
-                    raise InputError(f"layer {self.layer_idx}: the model produced NaN/inf keys")
+                if self.offloaded <= old:  # not prefetched: insert it into the host pages now
+                    kc, vc = self._leaving(old)
+                    self._insert_host(old, kc, vc)
                 for b in range(self.B):
                     p0 = int(self.pad[b])
-                    if old < p0:
-                        continue  # padding
-                    if old - p0 < S:  # one of the row's first S real tokens: a sink
+                    if p0 <= old < p0 + S:  # one of the row's first S real tokens: a sink
                         j = old - p0
                         self.buf_k[b, :, j] = self.buf_k[b, :, ring]
                         self.buf_v[b, :, j] = self.buf_v[b, :, ring]
                         self.buf_valid[b, :, j] = True
                         self.num_sinks[b] = j + 1
-                        continue
-                    local = old - p0 - S
-                    for h in range(self.num_kv_heads):
-                        pager = self.pagers[b][h]
-                        assert len(pager) == local, "pager positions out of step with the sequence"
-                        pager.insert(keys32[b, h][None], check=False)
-                        self.stores[b][h].sync(pager.table.take_moves(), leaving_k[b, h][None], leaving_v[b, h][None], first_new=local)
             self.buf_k[:, :, ring] = k[:, :, 0]
             self.buf_v[:, :, ring] = v[:, :, 0]
             self.buf_valid[:, :, ring] = True
+
+    def _leaving(self, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V ``[B, H, D]`` (host copies) of the window token at absolute position ``pos``."""
+        ring = self.S + self.budget + pos % self.W
+        kc = self.buf_k[:, :, ring].to("cpu")
+        vc = self.buf_v[:, :, ring].to("cpu")
+        if not bool(torch.isfinite(kc).all()):
+            raise InputError(f"layer {self.layer_idx}: the model produced NaN/inf keys")
+        self.offloaded = pos + 1
+        return kc, vc
+
+    def _insert_host(self, pos: int, kc: torch.Tensor, vc: torch.Tensor) -> None:
+        """Insert the token at absolute position ``pos`` into every row's pagers and host stores where it is a
+        middle token. Touches only this layer's pagers and stores (safe on a worker thread)."""
+        keys32 = kc.float()
+        for b in range(self.B):
+            p0 = int(self.pad[b])
+            if pos < p0 + self.S:
+                continue  # padding or a sink
+            local = pos - p0 - self.S
+            for h in range(self.num_kv_heads):
+                pager = self.pagers[b][h]
+                assert len(pager) == local, "pager positions out of step with the sequence"
+                pager.insert(keys32[b, h][None], check=False)
+                self.stores[b][h].sync(pager.table.take_moves(), kc[b, h][None], vc[b, h][None], first_new=local)
+
+    def _prefetch_insert(self) -> None:
+        """Start inserting, on a worker, the token that leaves the window at the next step. It stays in the
+        window (and out of every selection) until then; the next step waits for the job before selecting."""
+        nxt = self.length - self.W
+        if nxt < 0 or self.offloaded > nxt:
+            return
+        if all(nxt < int(p0) + self.S for p0 in self.pad):
+            return  # padding or sinks only: handled synchronously when it leaves
+        kc, vc = self._leaving(nxt)
+        self.cache.pipeline.submit(self.layer_idx, f"insert position {nxt}", self._insert_host, nxt, kc, vc)
 
     def attend(self, query: torch.Tensor, scaling: float, shared: dict[str, Any] | None) -> torch.Tensor:
         """Sparse decode attention. ``query`` ``[B, Hq, 1, D]`` -> output ``[B, 1, Hq, D]``.
@@ -283,6 +315,8 @@ class IceCacheLayer(CacheLayerMixin):
             fault(self.layer_idx, self.length)
         report = self.loader.load(self.stores, positions, indptrs, cache.timer)
         cache._account(self, report, positions, indptrs)
+        if cache.prefetch_inserts:
+            self._prefetch_insert()
         with cache.timer.stage("attend"):
             out = torch.nn.functional.scaled_dot_product_attention(
                 qg, self.buf_k, self.buf_v, attn_mask=self.buf_valid[:, :, None, :], scale=scaling
@@ -331,6 +365,8 @@ class IceCache(Cache):
         D = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads
         types = list(getattr(text_cfg, "layer_types", None) or ["full_attention"] * n_layers)
         self.pager_factory = pager_factory or self._default_pager
+        #: insert the token that will leave the window next step on a worker during this step (exact semantics)
+        self.prefetch_inserts = True
         self.pipeline = PrefillPipeline(self.ice.num_threads)
         self.timer = StageTimer()
         layers: list[CacheLayerMixin] = []
@@ -513,7 +549,10 @@ class IceCache(Cache):
                     pager = layer.pagers[b][h]
                     c = counts.copy()
                     pos = np.concatenate(list(pager.table.as_dict().values()) or [np.zeros(0, np.int64)])
-                    np.add.at(c, pos + p0 + S, 1)
+                    absolute = pos + p0 + S
+                    prefetched = absolute >= max(0, T - W)  # inserted ahead while still in the window
+                    assert (absolute[prefetched] < layer.offloaded).all(), "host holds a window token nobody prefetched"
+                    np.add.at(c, absolute[~prefetched], 1)
                     pager.table.check()
                     assert len(pager) == len(pos), f"layer {layer.layer_idx}: pager size != paged positions"
                     assert (c[:p0] == 0).all(), "padding is stored somewhere"

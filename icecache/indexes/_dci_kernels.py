@@ -1,0 +1,666 @@
+"""Compiled kernels of the DCI index (`icecache.indexes.dci`): the prioritized single-cluster search,
+the multi-level descent, page ranking and the small structural edits of sorted runs.
+
+Everything here is ``@njit(nogil=True, cache=True)``: a search releases the GIL, so a thread pool runs
+many heads in parallel, and the machine code is compiled once and cached on disk. No kernel uses numba's
+own threads (``prange``), so results never depend on thread count or timing.
+
+Storage the kernels read (owned by `icecache.indexes.dci.DCIIndex`; names used throughout):
+
+    X         [cap, d]     float32  raw vectors (keys), row = token id
+    ext       [cap]        float32  MIPS extra coordinate sqrt(max(msq - |x|^2, 0)); zeros in Euclidean mode
+    run_key   [M, S]       float32  slab of sorted runs: the projections of a cluster's members on direction j
+    run_id    [M, S]       int32    token id of each run entry
+    cl_start  [cap + 1]    int64    cluster c = node c - 1 (c = 0 is the virtual root) starts at run position
+    cl_size   [cap + 1]    int64    cl_start[c] and holds cl_size[c] members, sorted by (key, id) in every run
+    sub       [cap]        int64    number of descendants of each node (coverage rule)
+
+Distance modes (ascending = better): 0 Euclidean ``min_g |x - q_g|``; 1 MIPS ``-max_g <q_g, x>``;
+2 key-key (MIPS construction) ``min_g max(msq - <q_g, x> - qext_g ext_x, 0)``, half the squared distance
+between scaled-form transformed keys (DCI_SPEC.md section 4).
+
+Scratch (one set per thread, see `icecache.indexes.dci._scratch`): stamp-tagged arrays so that no
+``O(n)`` clearing is needed per query. ``stamp[0]`` is a counter that only grows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+_INF = np.inf
+_FM = {"reassoc", "contract"}  # vectorisable dot products; no "ninf": the kernels rely on inf priorities
+
+
+@njit(nogil=True, cache=True, fastmath=_FM)
+def _dot(a, b) -> float:
+    s = 0.0
+    for i in range(a.shape[0]):
+        s += np.float64(a[i]) * np.float64(b[i])
+    return s
+
+
+@njit(nogil=True, cache=True, fastmath=_FM)
+def _sqdist(a, b) -> float:
+    s = 0.0
+    for i in range(a.shape[0]):
+        t = np.float64(a[i]) - np.float64(b[i])
+        s += t * t
+    return s
+
+
+@njit(nogil=True, cache=True, inline="always")
+def query_distance(t, Q, g, qext, mode, msq, X, ext) -> float:
+    """Distance (ascending = closer) of token ``t`` to query ``g`` of ``Q`` in ``mode``."""
+    if mode == 0:
+        return math.sqrt(_sqdist(X[t], Q[g]))
+    if mode == 1:
+        return -_dot(X[t], Q[g])
+    v = msq - _dot(X[t], Q[g]) - np.float64(qext[g]) * np.float64(ext[t])
+    return v if v > 0.0 else 0.0
+
+
+@njit(nogil=True, cache=True, inline="always")
+def point_distance(t, Q, qext, mode, msq, X, ext) -> float:
+    """Distance of token ``t`` to the query group ``Q`` ``[g, d]``: the minimum over the group."""
+    best = _INF
+    for g in range(Q.shape[0]):
+        v = query_distance(t, Q, g, qext, mode, msq, X, ext)
+        if v < best:
+            best = v
+    return best
+
+
+@njit(nogil=True, cache=True, inline="always")
+def evaluate(t, Q, qext, mode, msq, X, ext, gsc, store_g) -> float:
+    """`point_distance`; in MIPS mode with ``store_g`` also keep every query's ``<q_g, x>`` in ``gsc[t]``."""
+    if mode == 1 and store_g:
+        best = -_INF
+        for g in range(Q.shape[0]):
+            v = _dot(X[t], Q[g])
+            gsc[t, g] = v
+            if v > best:
+                best = v
+        return -best
+    return point_distance(t, Q, qext, mode, msq, X, ext)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _choose(j, start, c, qp, run_key, lcur, rcur, cur, prio):
+    """Offer the next element of simple index ``j``: the closer of the two cursor neighbours (ties left)."""
+    have_l = lcur[j] >= 0
+    have_r = rcur[j] < c
+    if not have_l and not have_r:
+        cur[j] = -1
+        prio[j] = _INF
+        return
+    gl = abs(qp - np.float64(run_key[j, start + lcur[j]])) if have_l else _INF
+    gr = abs(np.float64(run_key[j, start + rcur[j]]) - qp) if have_r else _INF
+    if gr < gl:
+        cur[j] = rcur[j]
+        rcur[j] += 1
+        prio[j] = gr
+    else:
+        cur[j] = lcur[j]
+        lcur[j] -= 1
+        prio[j] = gl
+
+
+@njit(nogil=True, cache=True)
+def search_cluster(
+    cidx, Q, QP, qext, mode, msq, X, ext, run_key, run_id, cl_start, cl_size,
+    L, m, kk, num_to_visit, prop_to_visit, num_to_retrieve, prop_to_retrieve,
+    cnt, cnt_stamp, cand_stamp, eval_stamp, dist, stamp, desc_stamp, pool_ids, pool_n, gsc, store_g,
+    cover, sub,
+):
+    """Prioritized DCI (DCI_SPEC.md section 1) over the members of cluster ``cidx``, for every query of
+    the group; every newly completed candidate gets its exact distance (once per descent, tagged with
+    ``desc_stamp``) and is appended to ``pool_ids``. Returns the new pool length.
+
+    ``kk`` is the k of the search (the stop test needs ``min(kk, c)`` candidates). The limits are relative
+    to the cluster size ``c``; a negative ``num_*``/``prop_*`` disables its half of the max (the caller
+    has already resolved the case where both halves are disabled). Coverage rule (section 2): the search
+    does not stop before its candidates' descendants (``sub``) sum to ``cover`` (0 disables it).
+    """
+    start = cl_start[cidx]
+    c = cl_size[cidx]
+    if c == 0:
+        return pool_n
+    visit_limit = max(num_to_visit * m, int(math.ceil(prop_to_visit * c * m)) if prop_to_visit >= 0 else -1)
+    retrieve_limit = max(num_to_retrieve, int(math.ceil(prop_to_retrieve * c)) if prop_to_retrieve >= 0 else -1)
+    if kk >= c or (retrieve_limit >= c and visit_limit >= c * m):
+        # The prioritized walk would end only when every member is a candidate: evaluate them all.
+        for i in range(c):
+            t = run_id[0, start + i]
+            if eval_stamp[t] != desc_stamp:
+                eval_stamp[t] = desc_stamp
+                dist[t] = evaluate(t, Q, qext, mode, msq, X, ext, gsc, store_g)
+                pool_ids[pool_n] = t
+                pool_n += 1
+        return pool_n
+    M = L * m
+    kk_eff = kk if kk < c else c
+    if M == 1:
+        # One simple index: every visited point is a candidate at once, so after r rounds the candidates
+        # are the r points taken by the two-cursor rule, a contiguous interval of the run. The walk stops
+        # after T = max(min(k, c), min(visit_limit, retrieve_limit)) rounds (capped at c): take T points.
+        T = min(visit_limit, retrieve_limit)
+        if T < kk_eff:
+            T = kk_eff
+        if T > c:
+            T = c
+        for g in range(Q.shape[0]):
+            covered = 0
+            qp = QP[g, 0]
+            lo = 0
+            hi = c
+            while lo < hi:
+                mid = (lo + hi) >> 1
+                if np.float64(run_key[0, start + mid]) < qp:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            left = lo - 1
+            right = lo
+            taken = 0
+            while taken < c and (taken < T or covered < cover):
+                if right >= c or (left >= 0 and not (abs(np.float64(run_key[0, start + right]) - qp) < abs(qp - np.float64(run_key[0, start + left])))):
+                    covered += sub[run_id[0, start + left]]
+                    left -= 1
+                else:
+                    covered += sub[run_id[0, start + right]]
+                    right += 1
+                taken += 1
+            for i in range(left + 1, right):
+                t = run_id[0, start + i]
+                if eval_stamp[t] != desc_stamp:
+                    eval_stamp[t] = desc_stamp
+                    dist[t] = evaluate(t, Q, qext, mode, msq, X, ext, gsc, store_g)
+                    pool_ids[pool_n] = t
+                    pool_n += 1
+        return pool_n
+    lcur = np.empty(M, np.int64)
+    rcur = np.empty(M, np.int64)
+    cur = np.empty(M, np.int64)
+    prio = np.empty(M, np.float64)
+    for g in range(Q.shape[0]):
+        stamp[0] += 1
+        s = stamp[0]
+        for j in range(M):
+            qp = QP[g, j]
+            lo = 0
+            hi = c
+            while lo < hi:  # number of keys strictly below qp
+                mid = (lo + hi) >> 1
+                if np.float64(run_key[j, start + mid]) < qp:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            lcur[j] = lo - 1
+            rcur[j] = lo
+            _choose(j, start, c, qp, run_key, lcur, rcur, cur, prio)
+        ncand = 0
+        covered = 0
+        for r in range(c * m):
+            for comp in range(L):
+                h = -1
+                best = _INF
+                for jj in range(m):
+                    j = comp * m + jj
+                    if prio[j] < best:
+                        best = prio[j]
+                        h = j
+                if h < 0:
+                    continue
+                t = run_id[h, start + cur[h]]
+                if cnt_stamp[t] != s:
+                    cnt_stamp[t] = s
+                    for cc in range(L):
+                        cnt[t, cc] = 0
+                cnt[t, comp] += 1
+                if cnt[t, comp] == m and cand_stamp[t] != s:
+                    cand_stamp[t] = s
+                    ncand += 1
+                    covered += sub[t]
+                    if eval_stamp[t] != desc_stamp:
+                        eval_stamp[t] = desc_stamp
+                        dist[t] = evaluate(t, Q, qext, mode, msq, X, ext, gsc, store_g)
+                        pool_ids[pool_n] = t
+                        pool_n += 1
+                _choose(h, start, c, QP[g, h], run_key, lcur, rcur, cur, prio)
+            if ncand >= kk_eff and covered >= cover and (r + 1 >= visit_limit or ncand >= retrieve_limit):
+                break
+    return pool_n
+
+
+@njit(nogil=True, cache=True)
+def descend(
+    Q, QP, qext, mode, msq, X, ext, run_key, run_id, cl_start, cl_size, sub,
+    top_level, stop_level, L, m, F, kk, cover, cumulative,
+    num_to_visit, prop_to_visit, num_to_retrieve, prop_to_retrieve,
+    cnt, cnt_stamp, cand_stamp, eval_stamp, dist, stamp, pool_ids, gsc, store_g, per_query_beam,
+):
+    """Field-of-view beam descent from the root down to ``stop_level`` (DCI_SPEC.md section 2, disjoint
+    levels). Level ``top_level`` is the root's cluster; at each level the clusters of the expanded nodes
+    are searched (k = ``F`` above ``stop_level``, ``kk`` at it), all candidates are pooled, sorted, and the
+    prefix ``max(min(F, pool), smallest prefix whose descendants sum to >= cover)`` is expanded next. For a
+    group of queries with ``per_query_beam`` every query ranks the pool by its own distance and the union of
+    the prefixes is expanded (so one query cannot crowd out the others); otherwise one beam ranked by the
+    group distance (the minimum over the group) is kept.
+
+    Returns ``(lo, hi)``: ``pool_ids[lo:hi]`` are the evaluated tokens (all levels when ``cumulative``,
+    else only those of ``stop_level``), with distances in ``dist[token]``.
+    """
+    stamp[0] += 1
+    desc_stamp = stamp[0]
+    expand = np.empty(1, np.int64)
+    expand[0] = -1
+    nexp = 1
+    pool_n = 0
+    seg0 = 0
+    for lev in range(top_level, stop_level - 1, -1):
+        seg0 = pool_n
+        k_here = kk if lev == stop_level else F
+        cover_here = cover if lev != stop_level else 0
+        for e in range(nexp):
+            pool_n = search_cluster(
+                expand[e] + 1, Q, QP, qext, mode, msq, X, ext, run_key, run_id, cl_start, cl_size,
+                L, m, k_here, num_to_visit, prop_to_visit, num_to_retrieve, prop_to_retrieve,
+                cnt, cnt_stamp, cand_stamp, eval_stamp, dist, stamp, desc_stamp, pool_ids, pool_n, gsc, store_g,
+                cover_here, sub,
+            )
+        if lev == stop_level:
+            break
+        n_seg = pool_n - seg0
+        if n_seg == 0:
+            break
+        # Each query of the group keeps its own beam (its F best nodes, extended by the coverage rule);
+        # the union is expanded. With one query this is exactly the spec's rule.
+        G = Q.shape[0] if per_query_beam else 1
+        keep_f = F if F < n_seg else n_seg
+        chosen = np.zeros(n_seg, np.bool_)
+        seg_d = np.empty(n_seg, np.float64)
+        for g in range(G):
+            for i in range(n_seg):
+                t = pool_ids[seg0 + i]
+                if G == 1:
+                    seg_d[i] = dist[t]
+                elif store_g:
+                    seg_d[i] = -gsc[t, g]
+                else:
+                    seg_d[i] = query_distance(t, Q, g, qext, mode, msq, X, ext)
+            order = np.argsort(seg_d, kind="mergesort")
+            covered = 0
+            for i in range(n_seg):
+                if i >= keep_f and covered >= cover:
+                    break
+                chosen[order[i]] = True
+                covered += sub[pool_ids[seg0 + order[i]]]
+        expand = np.empty(n_seg, np.int64)
+        nexp = 0
+        for i in range(n_seg):
+            if chosen[i]:
+                expand[nexp] = pool_ids[seg0 + i]
+                nexp += 1
+    if cumulative:
+        return 0, pool_n
+    return seg0, pool_n
+
+
+@njit(nogil=True, cache=True)
+def rank_pages(
+    Q, QP, X, run_key, run_id, cl_start, cl_size, sub, top_level, L, m, F, kk, cover,
+    num_to_visit, prop_to_visit, num_to_retrieve, prop_to_retrieve,
+    cnt, cnt_stamp, cand_stamp, eval_stamp, dist, stamp, pool_ids, gsc, per_query_beam,
+    page_of, page_sizes, budget, mass, scale, page_best, page_stamp, page_list, out_pages, out_scores,
+):
+    """One cumulative MIPS descent for a GQA group ``Q`` ``[g, d]``, then page ranking. A page's score is
+    (``mass`` False) the best ``max_g <q_g, k>`` among its scored tokens, or (``mass`` True) its estimated
+    attention mass ``sum over scored tokens t, queries g of exp(scale (<q_g, k_t> - M_g))`` with ``M_g``
+    the best scored ``<q_g, k>``. Pages are ranked by score (descending, ties by id), followed by the pages
+    without a scored token (by id, score -inf), and the longest prefix with total size <= ``budget`` is
+    written to ``out_pages``/``out_scores``. Returns its length."""
+    dummy = np.zeros(1, np.float32)
+    G = Q.shape[0]
+    lo, hi = descend(
+        Q, QP, dummy, 1, 0.0, X, dummy, run_key, run_id, cl_start, cl_size, sub,
+        top_level, 0, L, m, F, kk, cover, True,
+        num_to_visit, prop_to_visit, num_to_retrieve, prop_to_retrieve,
+        cnt, cnt_stamp, cand_stamp, eval_stamp, dist, stamp, pool_ids, gsc, True, per_query_beam,
+    )
+    best_g = np.full(G, -_INF)
+    if mass:
+        for i in range(lo, hi):
+            t = pool_ids[i]
+            for g in range(G):
+                if gsc[t, g] > best_g[g]:
+                    best_g[g] = gsc[t, g]
+    stamp[0] += 1
+    s = stamp[0]
+    npg = 0
+    for i in range(lo, hi):
+        t = pool_ids[i]
+        p = page_of[t]
+        if mass:
+            sc = 0.0
+            for g in range(G):
+                sc += math.exp(scale * (gsc[t, g] - best_g[g]))
+        else:
+            sc = -dist[t]
+        if page_stamp[p] != s:
+            page_stamp[p] = s
+            page_best[p] = sc
+            page_list[npg] = p
+            npg += 1
+        elif mass:
+            page_best[p] += sc
+        elif sc > page_best[p]:
+            page_best[p] = sc
+    ids = np.sort(page_list[:npg])
+    neg = np.empty(npg, np.float64)
+    for i in range(npg):
+        neg[i] = -page_best[ids[i]]
+    order = np.argsort(neg, kind="mergesort")
+    total = 0
+    k = 0
+    for i in range(npg):
+        p = ids[order[i]]
+        sz = page_sizes[p]
+        if total + sz > budget:
+            return k
+        total += sz
+        out_pages[k] = p
+        out_scores[k] = page_best[p]
+        k += 1
+    # Every scored page fits: the pages the descent did not reach follow, by id, with score -inf (this only
+    # happens when the budget exceeds what the descent scored, e.g. a budget >= the indexed tokens).
+    for p in range(page_sizes.shape[0]):
+        sz = page_sizes[p]
+        if sz <= 0 or page_stamp[p] == s:
+            continue
+        if total + sz > budget:
+            break
+        total += sz
+        out_pages[k] = p
+        out_scores[k] = -_INF
+        k += 1
+    return k
+
+
+@njit(nogil=True, cache=True)
+def assign_parents(
+    nodes, X, ext, proj, mode, msq, run_key, run_id, cl_start, cl_size, sub,
+    top_level, stop_level, L, m, F,
+    num_to_visit, prop_to_visit, num_to_retrieve, prop_to_retrieve,
+    cnt, cnt_stamp, cand_stamp, eval_stamp, dist, stamp, pool_ids, gsc, out_parent, out_dist,
+):
+    """Parent search (k = 1, construction config) for every id in ``nodes``: the nearest node of
+    ``stop_level`` found by the descent over the levels above, with ``mode`` 0 (Euclidean) or 2
+    (key-key). Ties go to the lower id. Writes ``out_parent``/``out_dist`` (``-1``/inf if none found)."""
+    M = proj.shape[1]
+    Q = np.empty((1, X.shape[1]), np.float32)
+    QP = np.empty((1, M), np.float64)
+    qext = np.empty(1, np.float32)
+    for i in range(nodes.shape[0]):
+        t = nodes[i]
+        Q[0] = X[t]
+        for j in range(M):
+            QP[0, j] = proj[t, j]
+        qext[0] = ext[t]
+        lo, hi = descend(
+            Q, QP, qext, mode, msq, X, ext, run_key, run_id, cl_start, cl_size, sub,
+            top_level, stop_level, L, m, F, 1, 0, False,
+            num_to_visit, prop_to_visit, num_to_retrieve, prop_to_retrieve,
+            cnt, cnt_stamp, cand_stamp, eval_stamp, dist, stamp, pool_ids, gsc, False, False,
+        )
+        best = -1
+        bd = _INF
+        for a in range(lo, hi):
+            u = pool_ids[a]
+            du = dist[u]
+            if du < bd or (du == bd and u < best):
+                bd = du
+                best = u
+        out_parent[i] = best
+        out_dist[i] = bd
+
+
+@njit(nogil=True, cache=True)
+def md_schedule(n, counts, nxt, p0, p1, cap0, cap1, out_level, out_new_top):
+    """Run the MD deterministic level schedule (DCI_SPEC.md section 3) for ``n`` more points.
+
+    ``counts`` ``[64]`` (points per level; the number of levels is the count of leading non-zero
+    entries, passed as ``counts[63]``) and ``nxt`` ``[1]`` are updated in place. ``cap0``/``cap1`` =
+    ceil(1/p0), ceil(1/p1): the top level's size cap. Writes each point's level and whether it opened a
+    new top level."""
+    for i in range(n):
+        t = nxt[0]
+        h = counts[63]
+        if t == h:
+            counts[t] = 1
+            counts[63] = h + 1
+            nxt[0] = 0
+            out_level[i] = t
+            out_new_top[i] = True
+            continue
+        counts[t] += 1
+        out_level[i] = t
+        out_new_top[i] = False
+        if t == h - 1:
+            cap = cap0 if t == 0 else cap1
+            nxt[0] = t + 1 if counts[t] == cap else 0
+        else:
+            p = p0 if t == 0 else p1
+            nxt[0] = t + 1 if counts[t] >= counts[t + 1] / p else 0
+
+
+@njit(nogil=True, cache=True)
+def cluster_insert(run_key, run_id, start, size, keys, tid):
+    """Insert token ``tid`` with projections ``keys`` ``[M]`` into the cluster block at ``start`` (holding
+    ``size`` members, capacity > size) keeping every run sorted by (key, id). Returns its run-0 position."""
+    pos0 = 0
+    for j in range(run_key.shape[0]):
+        kv = keys[j]
+        lo = 0
+        hi = size
+        while lo < hi:
+            mid = (lo + hi) >> 1
+            km = run_key[j, start + mid]
+            if km < kv or (km == kv and run_id[j, start + mid] < tid):
+                lo = mid + 1
+            else:
+                hi = mid
+        for a in range(size, lo, -1):
+            run_key[j, start + a] = run_key[j, start + a - 1]
+            run_id[j, start + a] = run_id[j, start + a - 1]
+        run_key[j, start + lo] = kv
+        run_id[j, start + lo] = tid
+        if j == 0:
+            pos0 = lo
+    return pos0
+
+
+@njit(nogil=True, cache=True)
+def cluster_remove(run_key, run_id, start, size, tid):
+    """Remove token ``tid`` from every run of the cluster block at ``start`` (``size`` members)."""
+    for j in range(run_key.shape[0]):
+        a = 0
+        while a < size and run_id[j, start + a] != tid:
+            a += 1
+        if a == size:
+            raise RuntimeError("cluster_remove: token not in cluster (internal bug)")
+        for b in range(a, size - 1):
+            run_key[j, start + b] = run_key[j, start + b + 1]
+            run_id[j, start + b] = run_id[j, start + b + 1]
+
+
+@njit(nogil=True, cache=True)
+def brute_nearest_one(x, up, X, ext, mode, msq):
+    """Exact nearest node of ``up`` to point ``x`` (ties -> first in ``up``): ``(id, distance)``."""
+    best = -1
+    bd = np.inf
+    for i in range(up.shape[0]):
+        u = up[i]
+        s = 0.0
+        if mode == 0:
+            for a in range(X.shape[1]):
+                t = np.float64(X[x, a]) - np.float64(X[u, a])
+                s += t * t
+        else:
+            for a in range(X.shape[1]):
+                s += np.float64(X[x, a]) * np.float64(X[u, a])
+            s = msq - s - np.float64(ext[x]) * np.float64(ext[u])
+            if s < 0.0:
+                s = 0.0
+        if s < bd:
+            bd = s
+            best = u
+    if mode == 0:
+        bd = np.sqrt(bd)
+    return best, bd
+
+
+@njit(nogil=True, cache=True)
+def adopt_scan(x, ys, X, ext, pdist, mode, msq, margin):
+    """Mask over ``ys``: the point is closer to ``x`` than to its parent by more than ``margin``."""
+    out = np.zeros(ys.shape[0], np.bool_)
+    for i in range(ys.shape[0]):
+        y = ys[i]
+        s = 0.0
+        if mode == 0:
+            for a in range(X.shape[1]):
+                t = np.float64(X[x, a]) - np.float64(X[y, a])
+                s += t * t
+            s = np.sqrt(s)
+        else:
+            for a in range(X.shape[1]):
+                s += np.float64(X[x, a]) * np.float64(X[y, a])
+            s = msq - s - np.float64(ext[x]) * np.float64(ext[y])
+            if s < 0.0:
+                s = 0.0
+        out[i] = s < pdist[y] - margin
+    return out
+
+
+@njit(nogil=True, cache=True)
+def _two_means_order(X, ids, a, b, cut, iters):
+    """Reorder ``ids[a:b]`` so that ``ids[a:cut]`` / ``ids[cut:b]`` are the two sides of a balanced 2-means
+    split (deterministic: farthest-pair start, ``iters`` steps, stable ordering by the side score)."""
+    c = b - a
+    d = X.shape[1]
+    c0 = np.empty(d)
+    c1 = np.empty(d)
+    # Farthest-pair start: the point farthest from the first one, then the point farthest from that.
+    best, i1 = -1.0, a
+    for i in range(a, b):
+        v = _sqdist(X[ids[i]], X[ids[a]])
+        if v > best:
+            best, i1 = v, i
+    best, i2 = -1.0, a
+    for i in range(a, b):
+        v = _sqdist(X[ids[i]], X[ids[i1]])
+        if v > best:
+            best, i2 = v, i
+    for j in range(d):
+        c0[j] = X[ids[i1], j]
+        c1[j] = X[ids[i2], j]
+    score = np.empty(c)
+    seg = ids[a:b].copy()
+    for it in range(iters + 1):
+        for i in range(c):
+            s = 0.0
+            for j in range(d):
+                s += np.float64(X[seg[i], j]) * (c1[j] - c0[j])
+            score[i] = s
+        order = np.argsort(score, kind="mergesort")
+        if it == iters:
+            for i in range(c):
+                ids[a + i] = seg[order[i]]
+            return
+        c0[:] = 0.0
+        c1[:] = 0.0
+        for i in range(c):
+            t = seg[order[i]]
+            if a + i < cut:
+                for j in range(d):
+                    c0[j] += X[t, j]
+            else:
+                for j in range(d):
+                    c1[j] += X[t, j]
+        n0 = cut - a
+        n1 = c - n0
+        for j in range(d):
+            c0[j] /= max(n0, 1)
+            c1[j] /= max(n1, 1)
+
+
+@njit(nogil=True, cache=True)
+def kway_order(X, ids, k, iters):
+    """Reorder ``ids`` ``[c]`` so that the ``k`` contiguous groups with boundaries ``floor(i c / k)`` are
+    tight: recursive balanced 2-means bisection (a segment of groups ``[g0, g1)`` is cut at group
+    ``(g0 + g1) // 2``). Group sizes are those of the even split, so they differ by at most one."""
+    c = ids.shape[0]
+    if k <= 1 or c <= 1:
+        return
+    stack = np.empty((2 * k + 2, 2), np.int64)
+    stack[0, 0] = 0
+    stack[0, 1] = k
+    top = 1
+    while top > 0:
+        top -= 1
+        g0 = stack[top, 0]
+        g1 = stack[top, 1]
+        if g1 - g0 <= 1:
+            continue
+        gm = (g0 + g1) // 2
+        a = (g0 * c) // k
+        b = (g1 * c) // k
+        cut = (gm * c) // k
+        if b - a >= 2:
+            _two_means_order(X, ids, a, b, cut, iters)
+        stack[top, 0] = g0
+        stack[top, 1] = gm
+        stack[top + 1, 0] = gm
+        stack[top + 1, 1] = g1
+        top += 2
+
+
+@njit(nogil=True, cache=True)
+def nearest_page(x, members, page_of, X):
+    """Page (among those holding ``members``) whose centroid is nearest to point ``x``; ties -> lower id."""
+    c = members.shape[0]
+    d = X.shape[1]
+    pages = np.empty(c, np.int64)
+    npg = 0
+    for i in range(c):
+        p = page_of[members[i]]
+        seen = False
+        for j in range(npg):
+            if pages[j] == p:
+                seen = True
+                break
+        if not seen:
+            pages[npg] = p
+            npg += 1
+    sums = np.zeros((npg, d))
+    cnt = np.zeros(npg)
+    for i in range(c):
+        t = members[i]
+        p = page_of[t]
+        for j in range(npg):
+            if pages[j] == p:
+                for a in range(d):
+                    sums[j, a] += X[t, a]
+                cnt[j] += 1.0
+                break
+    best, bp = np.inf, -1
+    for j in range(npg):
+        s = 0.0
+        for a in range(d):
+            v = np.float64(X[x, a]) - sums[j, a] / cnt[j]
+            s += v * v
+        if s < best or (s == best and pages[j] < bp):
+            best, bp = s, pages[j]
+    return bp

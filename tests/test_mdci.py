@@ -1,0 +1,303 @@
+"""The ``mdci`` pager: page invariants (DCI_SPEC.md section 7.11), selection against brute force, the move
+journal, incremental inserts, determinism, edge cases."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from icecache.core.errors import ConfigError, InputError
+from icecache.core.metrics import attention_recall
+from icecache.indexes import make_pager
+from icecache.indexes.mdci import MDCIPager
+
+FAST = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def keys(seed: int, n: int, d: int = 16, scale: float = 1.0, clusters: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if clusters:
+        c = torch.randn(clusters, d, generator=g) * 2
+        x = c[torch.randint(0, clusters, (n,), generator=g)] + 0.4 * torch.randn(n, d, generator=g)
+    else:
+        x = torch.randn(n, d, generator=g)
+    return x * scale * (0.5 + torch.rand(n, 1, generator=g))
+
+
+def exhaustive(d: int, P: int = 16, **kw) -> MDCIPager:
+    return make_pager("mdci", head_dim=d, page_size=P, field_of_view=10**9, prop_to_retrieve=1.0, **kw)  # type: ignore[return-value]
+
+
+def assert_pages_ok(p: MDCIPager, just_built: bool = False) -> None:
+    """Section 7.11: every token in exactly one page of its cluster, 1 <= size <= P, pages contiguous in
+    projection order with max key of page i <= min key of page i+1; bulk load: ceil(c/P) near-equal pages."""
+    p.table.check()
+    p.index.check()  # includes contiguity of pages in run-0 order and one cluster per page
+    idx, tb = p.index, p.table
+    n = len(p)
+    assert tb.num_positions == n
+    par = idx.parents()
+    for node in [-1, *np.flatnonzero(idx.subtree_sizes() > 0).tolist()]:
+        ids, proj = idx.cluster(node)
+        if len(ids) == 0:
+            continue
+        assert (par[ids] == node).all()
+        pages = list(dict.fromkeys(tb.page_of(ids).tolist()))  # in run-0 order
+        assert int(tb.sizes(pages).sum()) == len(ids)  # the cluster's pages hold exactly its points
+        if p.params.page_split == "projection":
+            for a, b in zip(pages, pages[1:]):
+                assert idx.projections()[tb.positions(a), 0].max() <= idx.projections()[tb.positions(b), 0].min()
+        if just_built:
+            sizes = tb.sizes(pages)
+            assert len(pages) == -(-len(ids) // p.page_size)
+            assert sizes.max() - sizes.min() <= 1
+    for page, pos in tb.as_dict().items():
+        assert 1 <= len(pos) <= p.page_size
+        assert len(set(par[pos].tolist())) == 1, "a page mixes clusters"
+
+
+@FAST
+@given(seed=st.integers(0, 2**16), n=st.integers(0, 2500), P=st.sampled_from([1, 4, 16]), d=st.sampled_from([4, 16]),
+       split=st.sampled_from(["projection", "2means"]))
+def test_bulk_pages(seed, n, P, d, split):
+    p = make_pager("mdci", head_dim=d, page_size=P, seed=seed, page_split=split)
+    p.build(keys(seed, n, d, clusters=8))
+    assert_pages_ok(p, just_built=True)
+
+
+@FAST
+@given(seed=st.integers(0, 2**16), n0=st.integers(0, 600),
+       batches=st.lists(st.tuples(st.integers(1, 150), st.floats(0.3, 4.0)), min_size=1, max_size=5),
+       P=st.sampled_from([1, 2, 5, 16]), split=st.sampled_from(["projection", "2means"]))
+def test_incremental_pages_and_journal(seed, n0, batches, P, split):
+    """After build + random inserts (rekeys included) the pages stay valid, and replaying the move journal
+    onto ``{(page, slot): position}`` reproduces the table exactly (what the runtime's host store does)."""
+    p = make_pager("mdci", head_dim=8, page_size=P, seed=seed, record_moves=True, page_split=split)
+    store: dict[tuple[int, int], int] = {}
+
+    def replay() -> None:
+        for mv in p.table.take_moves():
+            if mv.src_page >= 0:
+                assert store.pop((mv.src_page, mv.src_slot)) == mv.position
+            if mv.dst_page >= 0:
+                store[(mv.dst_page, mv.dst_slot)] = mv.position
+
+    p.build(keys(seed, n0, 8, clusters=5))
+    replay()
+    for i, (m, scale) in enumerate(batches):
+        p.insert(keys(seed + i + 1, m, 8, scale=scale, clusters=3))
+        replay()
+    assert_pages_ok(p)
+    truth = {(pg, s): int(pos) for pg, poss in p.table.as_dict().items() for s, pos in enumerate(poss.tolist())}
+    assert store == truth
+
+
+@pytest.mark.parametrize("split", ["projection", "2means"])
+def test_split_of_a_full_page(split):
+    """A full page splits at used // 2 (8 | 8: in projection order, or balanced 2-means halves), then the
+    new token joins one half."""
+    p = make_pager("mdci", head_dim=4, page_size=16, page_split=split)
+    p.build(keys(0, 16, 4))  # 16 < ceil(1/p0): one level, one cluster, one full page
+    assert p.num_pages == 1
+    p.insert(keys(1, 1, 4))
+    assert_pages_ok(p)
+    sizes = sorted(len(v) for v in p.pages().values())
+    assert sizes == [8, 9]
+
+
+def test_page_ids_are_recycled():
+    p = make_pager("mdci", head_dim=4, page_size=4, record_moves=True)
+    p.build(keys(0, 300, 4, clusters=4))
+    p.insert(keys(1, 300, 4, clusters=4, scale=5.0))  # forces a rekey: pages rebuilt by moves
+    assert p.index.num_rekeys >= 1
+    ids = p.table.page_ids()
+    assert len(ids) == p.num_pages and ids.max() < p.table.id_capacity
+    # Every id below id_capacity is live or on the free list, and freed ids were handed out again.
+    moves = p.table.take_moves()
+    freed_then_reused = {m.src_page for m in moves if m.src_page >= 0} & {m.dst_page for m in moves if m.src_page >= 0}
+    assert freed_then_reused
+    assert_pages_ok(p)
+
+
+# ---------------------------------------------------------------------------------------------- selection
+def oracle_pages(p: MDCIPager, q: torch.Tensor, budget: int) -> list[int]:
+    """Pages ranked by their exact best token (max over the group of q.k), ties by id, under the budget."""
+    X = torch.from_numpy(p.index.data())
+    s = (q @ X.T).amax(0).numpy().astype(np.float64)
+    best = {pg: s[pos].max() for pg, pos in p.table.as_dict().items()}
+    order = sorted(best, key=lambda pg: (-best[pg], pg))
+    out, total = [], 0
+    for pg in order:
+        size = p.table.size(pg)
+        if total + size > budget:
+            break
+        out.append(pg)
+        total += size
+    return out
+
+
+@FAST
+@given(seed=st.integers(0, 2**16), n=st.integers(1, 1500), g=st.integers(1, 4), budget=st.integers(0, 300), inserted=st.integers(0, 200))
+def test_exhaustive_selection_matches_oracle(seed, n, g, budget, inserted):
+    p = exhaustive(16, seed=seed)
+    p.build(keys(seed, n, clusters=10))
+    p.insert(keys(seed + 1, inserted, clusters=4))
+    q = keys(seed + 2, g)
+    sel = p.select(q, budget)
+    ref = oracle_pages(p, q, budget)
+    # Scores may tie in float32; compare page scores, and pages where scores are distinct.
+    X = torch.from_numpy(p.index.data())
+    s = (q @ X.T).amax(0)
+    got = [float(s[torch.from_numpy(p.table.positions(pg))].max()) for pg in sel.pages.tolist()]
+    want = [float(s[torch.from_numpy(p.table.positions(pg))].max()) for pg in ref]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(sel.scores.numpy(), np.array(got, np.float32), rtol=1e-5, atol=1e-5)
+
+
+@FAST
+@given(seed=st.integers(0, 2**16), n=st.integers(1, 1500), g=st.integers(1, 4), budget=st.integers(0, 300))
+def test_exhaustive_mass_ranking_matches_oracle(seed, n, g, budget):
+    """page_score="mass": with every token scored, a page's score is sum_t sum_g exp((q_g.k_t - M_g)/sqrt(d))."""
+    p = exhaustive(16, seed=seed, page_score="mass")
+    p.build(keys(seed, n, clusters=10))
+    q = keys(seed + 2, g)
+    sel = p.select(q, budget)
+    X = torch.from_numpy(p.index.data()).double()
+    s = q.double() @ X.T  # [g, n]
+    w = torch.exp((s - s.max(1, keepdim=True).values) / 4.0).sum(0)
+    mass = {pg: float(w[torch.from_numpy(pos)].sum()) for pg, pos in p.table.as_dict().items()}
+    order = sorted(mass, key=lambda pg: (-mass[pg], pg))
+    want, total = [], 0
+    for pg in order:
+        if total + p.table.size(pg) > budget:
+            break
+        want.append(mass[pg])
+        total += p.table.size(pg)
+    np.testing.assert_allclose(sel.scores.numpy(), np.array(want, np.float32), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose([mass[pg] for pg in sel.pages.tolist()], want, rtol=1e-4, atol=1e-6)
+
+
+@FAST
+@given(seed=st.integers(0, 2**16), n=st.integers(1, 3000), g=st.integers(1, 4), budget=st.integers(0, 400),
+       beam=st.sampled_from(["shared", "per-query"]), score=st.sampled_from(["max", "mass"]))
+def test_default_selection_follows_budget_rule(seed, n, g, budget, beam, score):
+    p = make_pager("mdci", head_dim=16, seed=seed, group_beam=beam, page_score=score)
+    p.build(keys(seed, n, clusters=12))
+    q = keys(seed + 3, g)
+    sel = p.select(q, budget)
+    assert sel.num_tokens <= budget
+    assert len(set(sel.pages.tolist())) == sel.num_pages
+    assert (sel.scores[1:] <= sel.scores[:-1]).all()
+    for i, pg in enumerate(sel.pages.tolist()):
+        np.testing.assert_array_equal(sel.positions[sel.indptr[i] : sel.indptr[i + 1]].numpy(), p.table.positions(pg))
+    # Every reported score is the true best q.k of some token of the page, never above the page's max.
+    X = torch.from_numpy(p.index.data())
+    s = (q @ X.T).amax(0)
+    # Every finite score is the true q.k of some token of the page, never above the page's max; pages the
+    # descent did not reach come last, with score -inf.
+    finite = torch.isfinite(sel.scores)
+    assert not (finite[1:] & ~finite[:-1]).any()
+    for pg, sc in zip(sel.pages.tolist(), sel.scores.tolist()):
+        if sc == float("-inf") or score == "mass":
+            continue
+        tok = s[torch.from_numpy(p.table.positions(pg))]
+        assert sc <= float(tok.max()) + 1e-4 and bool((tok - sc).abs().min() <= 1e-4)
+    # The budget rule: unless every page is selected, the next page would not have fitted.
+    if sel.num_pages < p.num_pages:
+        assert budget - sel.num_tokens < p.page_size
+    if budget >= n:
+        assert sel.num_pages == p.num_pages
+
+
+def test_quality_on_clustered_keys():
+    """On clustered keys, the default descent finds most of what exhaustive page ranking finds."""
+    d = 32
+    X = keys(0, 8000, d, clusters=64)
+    p = make_pager("mdci", head_dim=d)
+    p.build(X)
+    ex = exhaustive(d)
+    ex.build(X)
+    seq = make_pager("sequential", head_dim=d)
+    seq.build(X)
+    g = torch.Generator().manual_seed(5)
+    rec, rec_ex, rec_seq = [], [], []
+    for i in range(20):
+        q = X[torch.randint(0, len(X), (3,), generator=g)] + 0.3 * torch.randn(3, d, generator=g)
+        for pager, out in ((p, rec), (ex, rec_ex), (seq, rec_seq)):
+            out.append(attention_recall(q, X, pager.select(q, 128).positions))
+    assert np.mean(rec) >= 0.95 * np.mean(rec_ex)
+    assert np.mean(rec) > np.mean(rec_seq)
+
+
+# ---------------------------------------------------------------------------------------------- determinism
+def _run(job: tuple[int, str]):
+    seed, split = job
+    p = make_pager("mdci", head_dim=16, seed=seed, record_moves=True, page_split=split)
+    p.build(keys(seed, 3000, clusters=20))
+    p.insert(keys(seed + 1, 400, clusters=5, scale=2.0))
+    sels = [p.select(keys(seed + 2 + i, 3), 128) for i in range(5)]
+    return p.pages(), [(s.pages.tolist(), s.positions.tolist(), s.scores.tolist()) for s in sels], p.table.take_moves()
+
+
+def test_deterministic_for_any_thread_count():
+    jobs = [(0, "projection"), (1, "projection"), (2, "2means"), (3, "2means")]
+    with ThreadPoolExecutor(1) as ex:
+        one = list(ex.map(_run, jobs))
+    with ThreadPoolExecutor(2) as ex:
+        two = list(ex.map(_run, jobs))
+    for (pa, sa, ma), (pb, sb, mb) in zip(one, two):
+        assert pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa)
+        assert sa == sb and ma == mb
+
+
+# ---------------------------------------------------------------------------------------------- edge cases
+def test_edge_cases():
+    p = make_pager("mdci", head_dim=8)
+    p.build(torch.zeros(0, 8))
+    assert p.select(torch.randn(3, 8), 128).num_pages == 0
+    p.insert(torch.randn(1, 8))
+    sel = p.select(torch.randn(8), 128)
+    assert sel.positions.tolist() == [0]
+    assert p.select(torch.randn(8), 0).num_pages == 0
+    # Duplicate keys, a zero query, keys longer than any seen before.
+    p.build(torch.ones(500, 8))
+    assert_pages_ok(p, just_built=True)
+    sel = p.select(torch.zeros(2, 8), 64)
+    assert 64 - 16 < sel.num_tokens <= 64 and torch.isfinite(sel.scores).all()
+    for scale in (10.0, 100.0, 1e4):
+        p.insert(torch.randn(40, 8) * scale)
+        sel = p.select(torch.randn(3, 8), 128)
+        assert torch.isfinite(sel.scores).all() and np.isfinite(p.index.projections()).all()
+    assert_pages_ok(p)
+    assert p.index.num_rekeys >= 3
+
+
+def test_registry_params_and_errors():
+    p = make_pager("mdci", head_dim=8, page_size=16, seed=3, field_of_view=12, prop_to_retrieve=0.5, p0=0.1)
+    assert isinstance(p, MDCIPager) and p.params.query.field_of_view == 12 and p.params.p0 == 0.1
+    q = make_pager("mdci", head_dim=8, preset="dci-knn")
+    assert q.params.num_comp_indices == 2 and q.params.num_simp_indices == 7
+    q.build(keys(0, 500, 8))
+    assert_pages_ok(q, just_built=True)
+    assert q.select(torch.randn(3, 8), 64).num_tokens <= 64
+    with pytest.raises(ConfigError):
+        make_pager("mdci", head_dim=8, preset="bogus")
+    with pytest.raises(ConfigError):
+        make_pager("mdci", head_dim=8, p1=1.5)
+    with pytest.raises(InputError):
+        p.build(torch.randn(4, 9))
+    with pytest.raises(InputError):
+        p.select(torch.randn(3, 8), -1)
+
+
+def test_index_bytes_scale_with_n():
+    a = make_pager("mdci", head_dim=16)
+    a.build(keys(0, 2000))
+    b = make_pager("mdci", head_dim=16)
+    b.build(keys(0, 8000))
+    assert 0 < a.index_bytes() < b.index_bytes() < 6 * a.index_bytes()
