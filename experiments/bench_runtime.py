@@ -118,6 +118,7 @@ def main() -> int:
     ap.add_argument("--contexts", default="2000,4000,8000")
     ap.add_argument("--budgets", default="64,256")
     ap.add_argument("--pagers", default="mdci,sequential")
+    ap.add_argument("--reuse", default="", help="IceCache(r) variants of the first pager, e.g. 2,4")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--out", default="experiments/bench_runtime")
@@ -134,9 +135,13 @@ def main() -> int:
     run_variant(model, warm, None, 4)
     for n in contexts:
         ids = torch.tensor([text_window(tok, n, seed=n)])
+        budgets = [int(x) for x in args.budgets.split(",")]
+        pagers = args.pagers.split(",")
         variants = [("full", None)] + [
-            (f"{p}@{b}", IceCacheConfig(index=p, budget=b, threads=args.threads))
-            for p in args.pagers.split(",") for b in (int(x) for x in args.budgets.split(","))
+            (f"{p}@{b}", IceCacheConfig(index=p, budget=b, threads=args.threads)) for p in pagers for b in budgets
+        ] + [
+            (f"{pagers[0]}-r{r}@{b}", IceCacheConfig(index=pagers[0], budget=b, threads=args.threads, reuse_every=int(r)))
+            for r in args.reuse.split(",") if r for b in budgets
         ]
         for name, cfg in variants:
             r = run_variant(model, ids, cfg, args.steps)

@@ -258,8 +258,40 @@ def _cell(e: dict[str, Any]) -> str:
     return s + f" ({e['n']})"
 
 
+def plot_summary(summary: list[dict[str, Any]], path: str | Path) -> None:
+    """Score vs budget per method (one panel per task variant and prompt length); full attention as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(e["task"], e["variant"], e["length"]) for e in summary})
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
+    for ax, (task, variant, length) in zip(axes[0], panels):
+        es = [e for e in summary if (e["task"], e["variant"], e["length"]) == (task, variant, length)]
+        for method in sorted({e["method"] for e in es}):
+            pts = sorted(((float(e["budget"]), e) for e in es if e["method"] == method and e["budget"] != "-"), key=lambda t: t[0])
+            if pts:
+                xs = [b for b, _ in pts]
+                ys = [e["score"] for _, e in pts]
+                lo = [e["score"] - e.get("ci_low", e["score"]) for _, e in pts]
+                hi = [e.get("ci_high", e["score"]) - e["score"] for _, e in pts]
+                ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=3, label=method)
+            full = next((e for e in es if e["method"] == method and e["budget"] == "-"), None)
+            if full is not None:
+                ax.axhline(full["score"], color="k", ls="--", lw=1, label=f"{method}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("budget (tokens)")
+        ax.set_title(f"{task}/{variant}, {length} tok", fontsize=9)
+        ax.set_ylabel({"ppl": "perplexity", "longgen": "token agreement"}.get(task, "score"))
+    axes[0][-1].legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def write_results(rows: list[dict[str, Any]], summary: list[dict[str, Any]], out_dir: str | Path, header: str = "") -> None:
-    """``rows.csv``, ``summary.csv``, ``results.json`` and ``results.md`` under ``out_dir``."""
+    """``rows.csv``, ``summary.csv``, ``results.json``, ``results.md`` and ``results.png`` under ``out_dir``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for name, data in (("rows.csv", rows), ("summary.csv", summary)):
@@ -269,4 +301,5 @@ def write_results(rows: list[dict[str, Any]], summary: list[dict[str, Any]], out
             w.writeheader()
             w.writerows(data)
     (out / "results.json").write_text(json.dumps({"rows": rows, "summary": summary}, indent=1, default=str))
-    (out / "results.md").write_text(header + markdown(summary))
+    (out / "results.md").write_text(header + markdown(summary) + "\n![results](results.png)\n")
+    plot_summary(summary, out / "results.png")
