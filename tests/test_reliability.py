@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import json
 import shutil
 import threading
@@ -24,6 +25,8 @@ from conftest import make_tiny_llama
 
 PAGERS = icecache.available_pagers()
 FUZZ_COUNTER = {"pager_ops": 0, "configs": 0, "cli": 0}
+#: ICECACHE_FUZZ_SCALE=20 multiplies every fuzz test's example count (the reliability campaign uses it).
+FUZZ_SCALE = int(os.environ.get("ICECACHE_FUZZ_SCALE", "1"))
 
 
 def _ids(n=120, seed=1):
@@ -175,7 +178,7 @@ op = st.tuples(st.sampled_from(["build", "insert", "select", "bad_dim", "bad_dty
 
 
 @pytest.mark.parametrize("name", PAGERS)
-@settings(max_examples=30)
+@settings(max_examples=30 * FUZZ_SCALE)
 @given(ops=st.lists(op, min_size=1, max_size=8), P=st.integers(1, 8))
 def test_fuzz_pager_api(name, ops, P):
     """Every operation either works (invariants hold) or raises one of our documented exceptions."""
@@ -211,7 +214,7 @@ def test_fuzz_pager_api(name, ops, P):
         pager.table.check()
 
 
-@settings(max_examples=200)
+@settings(max_examples=200 * FUZZ_SCALE)
 @given(st.dictionaries(
     st.sampled_from(["budget", "page_size", "sink", "window", "reuse_every", "threads", "seed", "index", "dense_layers", "trace"]),
     st.one_of(st.integers(-5, 5000), st.floats(allow_nan=True), st.text(max_size=8), st.booleans(), st.none(),
@@ -226,7 +229,7 @@ def test_fuzz_config(kwargs):
     assert cfg.budget >= 0 and cfg.page_size >= 1 and cfg.window >= 1 and cfg.index in icecache.available_pagers()
 
 
-@settings(max_examples=200)
+@settings(max_examples=200 * FUZZ_SCALE)
 @given(st.lists(st.sampled_from(["--budget", "--page-size", "--window", "--sink", "--index", "--dense-layers",
                                  "--reuse-every", "--threads", "-5", "0", "64", "abc", "mdci", "1,2", "", "--full"]), max_size=8))
 def test_fuzz_cli_arguments(argv):

@@ -25,6 +25,7 @@ wall time) and ``bench_index.png``.
 from __future__ import annotations
 
 import argparse
+import json
 import csv
 import math
 import os
@@ -226,9 +227,29 @@ def parse_params(spec: str) -> dict[str, Any]:
     return out
 
 
+#: Part A sweep of each backend's main speed/quality knob (``--pareto``): name -> (pager, parameters).
+PARETO_SWEEP: dict[str, tuple[str, dict[str, Any]]] = {
+    **{f"mdci[fov={f}]": ("mdci", {"field_of_view": f}) for f in (10, 20, 60, 120)},
+    **{f"ivf[probe={p}]": ("ivf", {"probe_factor": p}) for p in (1.0, 2.0, 4.0, 16.0)},
+    **{f"hnsw[search={f}]": ("hnsw", {"search_factor": f}) for f in (2.0, 4.0)},
+    **{f"hnsw[ef={e}]": ("hnsw", {"ef": e}) for e in (16, 32)},
+    **{f"hnsw[ef={e}]": ("hnsw", {"ef": e, "search_factor": 2.0}) for e in (256,)},
+    **{f"pq[bits={b}]": ("pq", {"bits": b}) for b in (4, 8)},
+}
+
+
+def parse_variant(spec: str, mdci_defaults: dict[str, Any]) -> tuple[str, tuple[str, dict[str, Any]]]:
+    """``"NAME=PAGER:k=v,..."`` -> ``(NAME, (PAGER, params))``; ``"NAME:k=v"`` is an mdci variant ``mdci[NAME]``."""
+    head, _, params = spec.partition(":")
+    if "=" in head:
+        name, pager = head.split("=", 1)
+        return name, (pager, parse_params(params))
+    return f"mdci[{head}]", ("mdci", {**mdci_defaults, **parse_params(params)})
+
+
 def evaluate_head(
     K: torch.Tensor, V: torch.Tensor, Q: torch.Tensor, *, budgets: Sequence[int], page_size: int, sink: int,
-    window: int, seed: int, mdci_variants: dict[str, dict[str, Any]], with_kmeans: bool = True,
+    window: int, seed: int, variants: dict[str, tuple[str, dict[str, Any]]], with_kmeans: bool = True,
 ) -> HeadResult:
     """Run every method on one KV head. ``K``, ``V`` ``[T, d]``; ``Q`` ``[S, g, d]``: the group's queries
     at positions ``T - S .. T - 1``."""
@@ -241,7 +262,8 @@ def evaluate_head(
     pagers: dict[str, Any] = {}
     for name, maker in [("exact", lambda: make_pager("exact", d, page_size, seed)),
                         ("sequential", lambda: make_pager("sequential", d, page_size, seed))] + [
-            (vname, (lambda params=params: make_pager("mdci", d, page_size, seed, **params))) for vname, params in mdci_variants.items()]:
+            (vname, (lambda index=index, params=params: make_pager(index, d, page_size, seed, **params)))
+            for vname, (index, params) in variants.items()]:
         pg = maker()
         t0 = time.perf_counter()
         pg.build(mid0)
@@ -410,7 +432,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", default=None, help="comma-separated layers of part A (default: every non-dense layer)")
     p.add_argument("--seed", type=int, default=0, help="seed of every pager and of k-means (default 0)")
     p.add_argument("--mdci", default="", type=parse_params, help="mdci parameters, e.g. 'field_of_view=60,p0=0.05'")
-    p.add_argument("--variant", action="append", default=[], metavar="NAME:K=V,...",
+    p.add_argument("--pagers", default="mdci,ivf,hnsw,pq",
+                   help="registered pagers compared in part A besides exact and sequential (default mdci,ivf,hnsw,pq)")
+    p.add_argument("--pareto", action="store_true",
+                   help="also sweep each backend's speed/quality knob and plot attention recall vs select time (pareto.*)")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME[=PAGER]:K=V,...",
                    help="an extra mdci configuration to compare in part A (repeatable), e.g. 'p0=0.1:p0=0.1'")
     p.add_argument("--no-kmeans", action="store_true", help="skip the k-means reference")
     p.add_argument("--sizes", default=",".join(str(s) for s in DEFAULT_SIZES), help="part B key counts (multiples of 8192)")
@@ -445,10 +471,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     budgets = [int(b) for b in args.budgets.split(",")]
     dense = {int(x) for x in args.dense_layers.split(",") if x}
     mdci_params = dict(args.mdci)
-    variants: dict[str, dict[str, Any]] = {"mdci": mdci_params}
+    variants: dict[str, tuple[str, dict[str, Any]]] = {"mdci": ("mdci", mdci_params)}
+    for name in filter(None, (x.strip() for x in args.pagers.split(","))):
+        if name not in ("mdci", "exact", "sequential"):
+            variants[name] = (name, {})
     for v in args.variant:
-        name, _, spec = v.partition(":")
-        variants[f"mdci[{name}]"] = {**mdci_params, **parse_params(spec)}
+        variants.update([parse_variant(v, mdci_params)])
+    if args.pareto:
+        variants.update(PARETO_SWEEP)
     model, tok = load_model(args.model)
     n_layers = model.config.num_hidden_layers
     n_kv = model.config.num_key_value_heads
@@ -484,7 +514,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             V = cap.values[l][h]
             Q = cap.queries[l][h * rep : (h + 1) * rep].transpose(0, 1).contiguous()  # [S, g, d]
             r = evaluate_head(K, V, Q, budgets=budgets, page_size=args.page_size, sink=args.sink, window=args.window,
-                              seed=args.seed, mdci_variants=variants, with_kmeans=not args.no_kmeans)
+                              seed=args.seed, variants=variants, with_kmeans=not args.no_kmeans)
             for row in r.rows:
                 row.update(layer=l, head=h)
                 all_rows.append(row)
@@ -546,6 +576,26 @@ def main(argv: Sequence[str] | None = None) -> int:
                       f"one full-attention decode step at that context: {info['decode_step_ms']:.1f} ms (median of 5).\n")
         hdr = ["method", "build ms/head", "pages/head"] + [f"select ms/group @{b}" for b in budgets] + [f"select ms/step @{b} ({n_groups} groups)" for b in budgets]
         report.append(md_table(hdr, [[r["method"], r["build_ms_per_head"], r["pages_per_head"]] + [r[f"select_ms_per_group@{b}"] for b in budgets] + [r[f"select_ms_per_step@{b}"] for b in budgets] for r in trows]))
+        # Pareto view: attention recall vs select time per decode step, every method and variant.
+        bp = 128 if 128 in budgets else budgets[len(budgets) // 2]
+        prow = []
+        for r in trows:
+            m = r["method"]
+            if (m, bp) not in summary_quality or math.isnan(r[f"select_ms_per_step@{bp}"]):
+                continue
+            prow.append({"method": m, "family": m.split("[")[0], "attention_recall": summary_quality[(m, bp)]["attention_recall"],
+                         "hit_rate": summary_quality[(m, bp)]["hit_rate"], "select_ms_per_step": r[f"select_ms_per_step@{bp}"],
+                         "build_ms_per_head": r["build_ms_per_head"], "pages_per_head": r["pages_per_head"],
+                         "params": json.dumps(variants.get(m, (m, {}))[1])})
+        front = _pareto_front([(p["select_ms_per_step"], p["attention_recall"]) for p in prow])
+        for i, p in enumerate(prow):
+            p["pareto_optimal"] = i in front
+        csv_out["pareto.csv"] = prow
+        report.append(f"\n### Pareto: attention recall @{bp} vs select time per decode step ({n_groups} GQA groups)\n")
+        report.append(md_table(["method", "params", "recall", "hit rate", "select ms/step", "build ms/head", "pages/head", "Pareto-optimal"],
+                               [[p["method"], p["params"], p["attention_recall"], p["hit_rate"], p["select_ms_per_step"],
+                                 p["build_ms_per_head"], p["pages_per_head"], "yes" if p["pareto_optimal"] else ""]
+                                for p in sorted(prow, key=lambda p: p["select_ms_per_step"])]))
         # Targets.
         if 128 in budgets and 64 in budgets and 256 in budgets:
             rm = lambda m, b: summary_quality[(m, b)]["attention_recall"]  # noqa: E731
@@ -667,8 +717,41 @@ def main(argv: Sequence[str] | None = None) -> int:
         (out / "bench_index.md").write_text(text)
         _plot(out / "bench_index.png", summary_quality, budgets, scaling_rows, sizes,
               128 if 128 in args.scaling_budgets.split(",") else int(args.scaling_budgets.split(",")[0]))
+        if "pareto.csv" in csv_out:
+            _plot_pareto(out / "pareto.png", csv_out["pareto.csv"], 128 if 128 in budgets else budgets[len(budgets) // 2])
         print(f"wrote {out}/", file=sys.stderr)
     return 0
+
+
+def _pareto_front(points: Sequence[tuple[float, float]]) -> set[int]:
+    """Indices of the points no other point beats on both time (lower) and recall (higher)."""
+    return {i for i, (t, r) in enumerate(points)
+            if not any((t2 <= t and r2 >= r) and (t2 < t or r2 > r) for t2, r2 in points)}
+
+
+def _plot_pareto(path: Path, rows: list[dict[str, Any]], budget: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    for fam in dict.fromkeys(r["family"] for r in rows):
+        rs = sorted((r for r in rows if r["family"] == fam), key=lambda r: r["select_ms_per_step"])
+        ax.plot([r["select_ms_per_step"] for r in rs], [r["attention_recall"] for r in rs], marker="o", label=fam)
+        for r in rs:
+            tag = r["method"][len(fam):] or "default"
+            ax.annotate(tag, (r["select_ms_per_step"], r["attention_recall"]), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    fr = sorted((r for r in rows if r["pareto_optimal"]), key=lambda r: r["select_ms_per_step"])
+    ax.plot([r["select_ms_per_step"] for r in fr], [r["attention_recall"] for r in fr], "k--", lw=1, label="Pareto front")
+    ax.set_xscale("log")
+    ax.set_xlabel("select time per decode step, all sparse layers x KV heads (ms, log)")
+    ax.set_ylabel(f"attention recall @ budget {budget}")
+    ax.set_title("Pagers: quality vs query cost (captured SmolLM2 keys)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def _plot(path: Path, summary: dict[tuple[str, int], dict[str, float]], budgets: Sequence[int],
