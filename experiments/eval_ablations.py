@@ -13,7 +13,6 @@ Two measurements per configuration, every configuration decoding from the same s
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
 import sys
@@ -26,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import icecache  # noqa: E402
+from icecache.eval.bench_index import write_csv  # noqa: E402
 from icecache import IceCache, IceCacheConfig  # noqa: E402
 from icecache.eval.harness import clone_kv, decode_forced, decode_greedy, run_prefill  # noqa: E402
 from icecache.eval.passkey import make_passkey, passkey_correct  # noqa: E402
@@ -89,10 +89,7 @@ def main() -> int:
     wall = time.perf_counter() - t0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "ablations.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(out / "ablations.csv", rows)
     table = []
     for group, value, _ in configs:
         pk = [r["score"] for r in rows if r["group"] == group and r["value"] == value and r["task"] == "passkey"]

@@ -12,8 +12,8 @@ from icecache.sim.calibrate import (
     fit_profile_predictors,
     interleaved,
     measure_decode_step,
-    measure_loader,
     measure_pager,
+    measure_runtime_layer,
     pool_efficiency,
     run_calibration,
 )
@@ -51,10 +51,26 @@ def test_pager_and_loader_measurements_fit(tiny_llama):
     pool = KeyPool(*capture_qk(tiny_llama, ids))
     rows = measure_pager("sequential", pool, (64, 128), (8, 16), (16, 32), reps=2, insert_reps=2, time_limit_s=5, log=lambda s: None)
     assert len(rows["build"]) == 4 and len(rows["select"]) == 8 and [r["n"] for r in rows["insert"]] == [64, 128]
-    loader = measure_loader((8,), (4, 16), 16, 1 << 16, reps=2)
-    preds = fit_profile_predictors({"pagers": {"sequential": rows}, **loader})
-    assert {"select/sequential", "build/sequential", "insert/sequential", "gather", "copy", "scatter"} <= set(preds)
-    assert preds["gather"].lo == (4 * 8 * 16 * 4, 4.0)
+    preds = fit_profile_predictors({"pagers": {"sequential": rows}})
+    assert {"select/sequential", "build/sequential", "insert/sequential"} <= set(preds)
+
+
+def test_runtime_layer_measurement_times_the_runtime_and_fits_per_call_costs():
+    layer = measure_runtime_layer((1, 2), group=2, head_dim=16, dtype=torch.float32, n=256, budget=32, page_size=8,
+                                  new_tokens=(0, 4, 16), reps=2)
+    loads = {(r["heads"], r["new_tokens"]): r for r in layer["loader"]}
+    assert set(loads) == {(h, k) for h in (1, 2) for k in (0, 4, 16)}
+    assert loads[(2, 16)]["bytes"] == 2 * 16 * 2 * 16 * 4
+    assert all(len(v) == 2 for v in loads[(2, 16)]["seconds_by_stage"].values())
+    # nothing new: the copy stage is empty, but the scatter stage still writes the validity mask (as the runtime)
+    none = loads[(1, 0)]["seconds_by_stage"]
+    assert min(none["scatter"]) > max(none["copy"])
+    steps = layer["layer"][0]["steps"]
+    assert len(steps) == 2 and all(st["wall"] >= st["select"] + st["insert"] + st["attend"] for st in steps)
+    preds = fit_profile_predictors({"runtime_layer": layer})
+    assert {"gather", "copy", "scatter", "loader_other", "append", "overhead"} <= set(preds)
+    assert preds["gather"].features == ("bytes", "rows") and preds["gather"].lo == (4 * 2 * 16 * 4, 4.0)
+    assert preds["loader_other"].lo == (1.0, 32.0) and preds["loader_other"].hi == (2.0, 64.0)
 
 
 def test_pool_efficiency_from_makespans():
@@ -67,7 +83,9 @@ def test_quick_calibration_end_to_end(tiny_llama, tmp_path):
     prof = run_calibration(CalibrationSettings.quick(), model=tiny_llama, model_name="tiny-llama",
                            out=tmp_path / "p.json", log=lambda s: None)
     back = CalibrationProfile.load(tmp_path / "p.json")
-    assert set(back.predictors) >= {"decode_step", "attention", "lm_head", "prefill", "gather", "copy", "scatter"}
+    assert set(back.predictors) >= {"decode_step", "attention", "lm_head", "prefill", "gather", "copy", "scatter",
+                                    "loader_other", "append", "overhead"}
+    assert 0.0 <= back.meta["background_share"] <= 1.0 and 0.0 <= back.meta["background_share_prefill"] <= 1.0
     assert back.meta["shape"]["layers"] == 4 and back.samples["decode_step"]
     register_shape(shape_from_config(tiny_llama.config, "tiny-llama"))
     costs = make_costs(get_hardware("this-machine", prof), prof, "allow")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from icecache.core.errors import ConfigError, UnknownNameError
@@ -32,7 +32,7 @@ times = st.floats(min_value=1e-5, max_value=1e-2, allow_nan=False)
 
 
 def _sparse_plan(n_layers: int, t: dict, jobs: int, threads: int, shared: bool = False, reuse: int = 1, prefetch: bool = True) -> StepPlan:
-    groups, index_of = _groups(n_layers, 0, reuse, "icecache-r" if reuse > 1 else "icecache")
+    groups, index_of = _groups(range(n_layers), reuse, "icecache-r" if reuse > 1 else "icecache")
     layers = tuple(
         LayerPlan("sparse", selects=index_of[l] == l, compute_s=t["compute"], attend_s=t["attend"],
                   insert_jobs=jobs if index_of[l] == l else 0, insert_job_s=t["insert"],
@@ -155,14 +155,15 @@ def test_h100_full_kv_reproduces_the_line_it_was_fitted_to(profile):
 
 def test_host_scale_reproduces_the_anchor_dci_time(profile):
     costs = _costs("a100", profile)
-    res = simulate(SimConfig("llama-3.1-8b", "a100", "icecache", 36_000, threads=64, new_tokens=1), costs, with_prefill=False)
+    res = simulate(SimConfig("llama-3.1-8b", "a100", "icecache", 36_000, threads=64, new_tokens=1, impl="paper"), costs,
+                   with_prefill=False)
     assert res.components()["dci_query"] == pytest.approx(0.05, rel=1e-6)
     assert res.tpot_s == pytest.approx(sum(res.stages.values()), rel=1e-9)  # serial without reuse
 
 
 def test_reuse_runs_one_query_in_r_layers_and_prefetch_overlaps(profile):
     costs = _costs("a100", profile)
-    cfg = SimConfig("llama-3.1-8b", "a100", "icecache", 36_000, threads=64)
+    cfg = SimConfig("llama-3.1-8b", "a100", "icecache", 36_000, threads=64, impl="paper")
     base = simulate(cfg, costs, with_prefill=False)
     r = simulate(cfg.replace(variant="icecache-r", reuse=5), costs, with_prefill=False)
     sparse = 32 - cfg.dense_layers
@@ -252,3 +253,116 @@ def test_stage_names_are_the_reported_ones(profile):
     assert set(res.stages) == set(STAGES)
     assert res.tpot_s == pytest.approx(sum(res.stages.values()), rel=1e-9)  # one shared CPU: everything serial
     assert math.isfinite(res.tt2t_s) and res.tt2t_s > res.ttft_s
+
+
+# ------------------------------------------------------------------------------ the runtime implementation
+def _runtime_plan(n_layers: int, t: dict, heads: int, threads: int, shared: bool, share: float = 1.0) -> StepPlan:
+    groups, index_of = _groups(range(n_layers), 1, "icecache")
+    layers = tuple(
+        LayerPlan("sparse", selects=True, compute_s=t["compute"], attend_s=t["attend"], insert_jobs=heads, insert_job_s=t["insert"],
+                  select_jobs=heads, select_job_s=t["select"], append_s=t["append"], other_s=t["bookkeep"], overhead_s=t["overhead"],
+                  gather_s=t["gather"], copy_s=t["copy"], scatter_s=t["scatter"])
+        for _ in range(n_layers)
+    )
+    return StepPlan(layers, t["head"], t["other"], threads, 1.0, shared, False, groups, index_of, impl="runtime", background_share=share)
+
+
+runtime_times = st.fixed_dictionaries(
+    {k: times for k in ("compute", "attend", "insert", "select", "append", "bookkeep", "overhead", "gather", "copy", "scatter", "head", "other")}
+)
+
+
+def _main_path(t: dict, n_layers: int, heads: int) -> float:
+    per_layer = (t["compute"] + t["attend"] + t["append"] + t["overhead"] + heads * t["select"] + t["bookkeep"] + t["gather"]
+                 + t["copy"] + t["scatter"])
+    return n_layers * per_layer + t["head"] + t["other"]
+
+
+@settings(max_examples=30)
+@given(t=runtime_times, n_layers=st.integers(1, 6), heads=st.integers(1, 8), threads=st.integers(1, 8))
+def test_runtime_step_selects_serially_and_keeps_prefetched_inserts_off_the_critical_path(t, n_layers, heads, threads):
+    """Device machine: the step is the serial sum of the caller's stages (select: every head one after another,
+    whatever the pool size); the inserts run on the pool beside it as long as the pool keeps up."""
+    main = _main_path(t, n_layers, heads)
+    # the pool keeps up: a step's insert work fits before any layer is reached again (one pool thread, worst case)
+    assume(n_layers * heads * t["insert"] + main / n_layers <= main)
+    plan = _runtime_plan(n_layers, t, heads, threads, shared=False)
+    for fine in (False, True):
+        res = simulate_step(plan, fine=fine)
+        assert res.seconds == pytest.approx(main, rel=1e-9)
+        assert res.busy["select"] == pytest.approx(n_layers * heads * t["select"], rel=1e-9)
+        assert res.busy["prefetch"] == pytest.approx(n_layers * heads * t["insert"], rel=1e-9)
+        assert res.busy["insert"] == pytest.approx(n_layers * t["append"], rel=1e-9)
+
+
+@settings(max_examples=30)
+@given(t=runtime_times, n_layers=st.integers(1, 6), heads=st.integers(1, 4), share=st.sampled_from([0.0, 0.25, 1.0]))
+def test_runtime_step_on_a_shared_machine_pays_the_background_share(t, n_layers, heads, share):
+    """One CPU: a background insert holds it for ``share`` of its time, so a steady step costs the caller's work
+    plus ``share`` x the insert work (the rest overlaps, as long as it is done before the layer comes back)."""
+    main = _main_path(t, n_layers, heads)
+    assume(n_layers * heads * t["insert"] + main / n_layers <= main)
+    res = simulate_step(_runtime_plan(n_layers, t, heads, 2, shared=True, share=share))
+    assert res.seconds == pytest.approx(main + share * n_layers * heads * t["insert"], rel=1e-9)
+
+
+def test_runtime_first_step_after_prefill_inserts_synchronously():
+    t = dict(compute=1e-3, attend=2e-4, insert=3e-4, select=5e-4, append=1e-5, bookkeep=2e-5, overhead=4e-5, gather=1e-4,
+             copy=5e-5, scatter=6e-5, head=2e-3, other=0.0)
+    n_layers, heads = 4, 3
+    step = _runtime_plan(n_layers, t, heads, 2, shared=False)
+    pre = PrefillPlan(tuple(PrefillLayer(1e-2) for _ in range(n_layers)), 1e-3, 2, 1.0, False)  # no index builds
+    req = simulate_request(pre, step)
+    assert req.ttft_s == pytest.approx(n_layers * 1e-2 + 1e-3, rel=1e-9)
+    # nothing was prefetched before the first step: every leaving token is inserted on the caller's thread
+    assert req.tt2t_s - req.ttft_s == pytest.approx(_main_path(t, n_layers, heads) + n_layers * heads * t["insert"], rel=1e-9)
+
+
+def test_runtime_waits_for_each_layers_index_build_before_selecting():
+    t = dict(compute=1e-3, attend=0.0, insert=0.0, select=1e-3, append=0.0, bookkeep=0.0, overhead=0.0, gather=0.0, copy=0.0,
+             scatter=0.0, head=0.0, other=0.0)
+    step = _runtime_plan(2, t, 1, 1, shared=False)
+    # the builds (0.5 s each, one pool thread) end long after the prefill: the first step waits for each in turn
+    pre = PrefillPlan(tuple(PrefillLayer(1e-2, 0.0, 1, 0.5) for _ in range(2)), 0.0, 1, 1.0, False)
+    req = simulate_request(pre, step)
+    assert req.prefill_end_s == pytest.approx(1e-2 + 2 * 0.5, rel=1e-9)
+    assert req.tt2t_s == pytest.approx(req.prefill_end_s + 1e-3, rel=1e-9)  # layer 1's select after its build
+
+
+def test_runtime_and_paper_differ_only_where_the_runtime_does_differently(profile):
+    costs = _costs("this-machine", profile)
+    cfg = SimConfig("smollm2", "this-machine", "icecache", 4000, budget=256, page_size=16, threads=2)
+    rt, pp = simulate(cfg, costs, with_prefill=False), simulate(cfg.replace(impl="paper"), costs, with_prefill=False)
+    # selects: 3 heads one after another on the caller's thread vs ceil(3 / 2) pool rounds
+    assert rt.stages["select"] == pytest.approx(pp.stages["select"] * 3 / 2, rel=1e-9)
+    assert rt.stages["attend"] == pytest.approx(pp.stages["attend"], rel=1e-9)
+    assert pp.stages["prefetch"] == 0 and rt.stages["prefetch"] > 0 and pp.stages["other"] == 0 < rt.stages["other"]
+    assert rt.stages["overhead"] > 0 == pp.stages["overhead"]
+
+
+def test_runtime_tpot_includes_the_first_step_as_the_runtime_reports_it(profile):
+    res = simulate(SimConfig("smollm2", "this-machine", "icecache", 4000, threads=2, new_tokens=9), _costs("this-machine", profile))
+    assert res.tpot_mean_s == pytest.approx(((res.tt2t_s - res.ttft_s) + 7 * res.tpot_s) / 8, rel=1e-12)
+    assert res.tpot_mean_s > res.tpot_s  # the first step waits for index builds and inserts synchronously
+
+
+def test_gather_calls_default_to_one_per_kv_head_with_new_tokens(profile):
+    costs = _costs("this-machine", profile)
+    cfg = SimConfig("smollm2", "this-machine", "quest", 4000, budget=256, page_size=16, threads=2)
+    one = simulate(cfg.replace(gather_calls=1), costs, with_prefill=False)
+    auto = simulate(cfg, costs, with_prefill=False)
+    sparse = 30 - cfg.dense_layers
+    intercept = profile.predictors["gather"].params[0]
+    assert auto.stages["gather"] - one.stages["gather"] == pytest.approx(sparse * (3 - 1) * intercept, rel=1e-9)
+
+
+def test_stage_timers_on_a_shared_machine_include_the_wait_for_background_work():
+    """The runtime's attend timer starts right after the prefetch job was submitted; on one CPU (the GIL) it reads
+    the attention plus the part of the job that holds the CPU, while busy time books the job to prefetch."""
+    t = dict(compute=1e-3, attend=2e-4, insert=3e-4, select=5e-4, append=1e-5, bookkeep=2e-5, overhead=4e-5, gather=1e-4,
+             copy=5e-5, scatter=6e-5, head=2e-3, other=0.0)
+    n_layers, heads, share = 3, 3, 0.5
+    res = simulate_step(_runtime_plan(n_layers, t, heads, 2, shared=True, share=share))
+    assert res.busy["attend"] == pytest.approx(n_layers * t["attend"], rel=1e-9)
+    assert res.timed["attend"] == pytest.approx(n_layers * (t["attend"] + share * heads * t["insert"]), rel=1e-9)
+    assert res.timed["select"] == pytest.approx(res.busy["select"], rel=1e-9)

@@ -70,7 +70,7 @@ def test_crossover_interpolation():
 
 def test_bisection_crossover_agrees_with_the_grid():
     sim = Simulator(synthetic_profile())
-    cfg = SimConfig("qwen3-4b", "h100", "icecache", 100_000, threads=64)
+    cfg = SimConfig("qwen3-4b", "h100", "icecache", 100_000, threads=64, impl="paper")
     x = find_crossover(sim, cfg)
     assert math.isfinite(x) and 10_000 < x < 4_000_000
     below = sim.run(cfg.replace(context=int(x * 0.9)), with_prefill=False).tpot_s
@@ -115,7 +115,7 @@ def test_crossings_find_a_window_where_the_variant_wins():
 
     prof = synthetic_profile()
     sim = Simulator(prof)
-    cfg = SimConfig("qwen3-4b", "h100", "icecache", 100_000, threads=64)
+    cfg = SimConfig("qwen3-4b", "h100", "icecache", 100_000, threads=64, impl="paper")
     base = sim.costs("h100-sxm")
     steep = Simulator(prof)
     steep._costs["h100-sxm"] = SelectGrowth(base, 1_000_000, 2.0)  # index queries outgrow attention past 1M

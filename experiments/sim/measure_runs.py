@@ -92,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the runs already in --out (written in grid order) and measure only the rest")
     ap.add_argument("--quick", action="store_true", help="contexts 1024,4096; budget 256; page 16; threads 2")
     args = ap.parse_args(argv)
     if args.quick:
@@ -111,10 +113,21 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     print(f"{len(grid)} configurations; warm-up ...", flush=True)
-    measure_one(model, tokenizer, "icecache", 512, 64, 16, 1, args.new_tokens // 4 or 2, None)
+    for v in args.variants.split(","):  # every path once (allocators, numba compilation, first-call costs)
+        measure_one(model, tokenizer, v, 512, 64, 16, 1, args.new_tokens // 4 or 2, None)
+    done = 0
+    if args.resume and out.exists():
+        for line, (v, c, b, p, t) in zip(out.read_text().splitlines(), grid):
+            r = json.loads(line)
+            if (r["variant"], r["budget"], r["page_size"], r["threads"]) != (v, b, p, t) or not c <= r["context"] < c + 256:
+                raise SystemExit(f"--resume: {out} line {done + 1} is not grid entry {(v, c, b, p, t)}; rerun without --resume")
+            done += 1
+        print(f"resuming after {done} runs already in {out}", flush=True)
     t0 = time.perf_counter()
-    with out.open("w") as fh:
+    with out.open("a" if done else "w") as fh:
         for i, (v, c, b, p, t) in enumerate(grid):
+            if i < done:
+                continue
             trace = Path(args.traces_dir) / f"{v}_n{c}_b{b}_p{p}_t{t}.jsonl" if (args.traces_dir and v != "full") else None
             reps = [measure_one(model, tokenizer, v, c, b, p, t, args.new_tokens, trace if k == 0 else None) for k in range(args.repeats)]
             med = sorted(reps, key=lambda r: r["tpot_s"])[len(reps) // 2]

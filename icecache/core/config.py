@@ -86,7 +86,7 @@ class IceCacheConfig:
             raise ConfigError(f"IceCacheConfig.index must be one of {sorted(known)}, got {self.index!r}")
         if not isinstance(self.index_params, dict):
             raise ConfigError(f"IceCacheConfig.index_params must be a dict, got {type(self.index_params).__name__}")
-        if isinstance(self.dense_layers, int) or not all(
+        if not isinstance(self.dense_layers, (tuple, list, set, frozenset, range)) or not all(
             isinstance(i, int) and not isinstance(i, bool) for i in self.dense_layers
         ):
             raise ConfigError(f"IceCacheConfig.dense_layers must be a tuple of layer indices >= 0, got {self.dense_layers!r}")

@@ -41,7 +41,9 @@ class PageSelection:
         Pager-local token positions, grouped by page in rank order (slot order inside a page).
     scores : FloatTensor ``[k]``
         Each selected page's ranking score (higher = more relevant; the meaning depends on the backend:
-        best q.k in the page for semantic and exact pagers, Quest's upper bound for ``sequential``).
+        best q.k in the page for semantic and exact pagers, Quest's upper bound for ``sequential``). Never
+        NaN; ``-inf`` marks a page the search did not score, included only because the budget exceeds what
+        the search scored; such pages come after every scored page.
     """
 
     pages: torch.Tensor

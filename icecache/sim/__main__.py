@@ -1,10 +1,11 @@
-"""``python -m icecache.sim {calibrate,sweep,validate,crossover,paper,hardware,models}``.
+"""``python -m icecache.sim {calibrate,sweep,validate,crossover,paper,project,hardware,models}``.
 
     python -m icecache.sim calibrate --out experiments/sim/profile_this_machine.json
     python -m icecache.sim sweep --hardware a100,h100 --model llama-3.1-8b --context 8k..256k \\
         --budgets 64,128,256 --page-sizes 8,16,32 --threads 8,16,64 --variants full,icecache,icecache-r,quest
     python -m icecache.sim validate --runs experiments/sim/measured_runs.jsonl
     python -m icecache.sim crossover --hardware h100 --model qwen3-4b
+    python -m icecache.sim project --model gemma-3-270m --hardware this-machine --context 2048..32768
     python -m icecache.sim hardware            # every constant with its source
 """
 
@@ -73,9 +74,23 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
     spec = SweepSpec.from_strings(
         hardware=args.hardware, models=args.model, contexts=args.context, budgets=args.budgets,
-        page_sizes=args.page_sizes, threads=args.threads, variants=args.variants, reuse=args.reuse,
+        page_sizes=args.page_sizes, threads=args.threads, variants=args.variants, reuse=args.reuse, impl=args.impl,
+        dense_layers=_dense_layers(args.dense_layers),
     )
     return run_sweep_cli(spec, args, argv=args.argv)
+
+
+def _dense_layers(text: str) -> int:
+    """``--dense-layers``: a count of leading layers, or ``none`` (0)."""
+    t = str(text).strip().lower()
+    if t in ("none", ""):
+        return 0
+    from icecache.core.errors import ConfigError
+
+    try:
+        return int(t)
+    except ValueError:
+        raise ConfigError(f"--dense-layers takes a number of leading layers or 'none', got {text!r}") from None
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -101,6 +116,15 @@ def cmd_paper(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_project(args: argparse.Namespace) -> int:
+    from icecache.sim.sweep import projection
+
+    _, md, paths = projection(args)
+    print(md)
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
 def cmd_hardware(args: argparse.Namespace) -> int:
     from icecache.sim.hardware import HARDWARE
 
@@ -121,8 +145,9 @@ def cmd_models(args: argparse.Namespace) -> int:
     from icecache.sim.shapes import SHAPES
 
     for s in SHAPES.values():
-        print(f"{s.name:24s} L={s.layers:3d} q/kv={s.q_heads}/{s.kv_heads} d={s.head_dim} params={s.total_params() / 1e9:.3f}B "
-              f"KV/token={s.kv_bytes_per_token(2) / 1024:.0f} KiB (bf16)  {s.source}")
+        hybrid = f" sliding={s.num_sliding}x{s.sliding_window}" if s.num_sliding else ""
+        print(f"{s.name:24s} L={s.layers:3d}{hybrid} q/kv={s.q_heads}/{s.kv_heads} d={s.head_dim} params={s.total_params() / 1e9:.3f}B "
+              f"KV/token={s.kv_bytes_per_token(2) / 1024:.0f} KiB (bf16, all layers)  {s.source}")
     return 0
 
 
@@ -147,6 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", default="8,16,64")
     p.add_argument("--variants", default="full,icecache,icecache-r,quest")
     p.add_argument("--reuse", type=int, default=4, help="icecache-r: layers per selection")
+    p.add_argument("--impl", choices=("runtime", "paper"), default="runtime",
+                   help="runtime: our runtime (selects on the caller's thread, prefetched inserts); paper: the paper's")
+    p.add_argument("--dense-layers", default="2", help="leading layers kept dense (full KV), or 'none'")
     p.add_argument("--out-dir", default="experiments/sim/sweep")
     p.add_argument("--workers", type=int, default=0, help="processes (0: one per CPU)")
     p.add_argument("--backend", choices=("process", "serial", "ray"), default="process")
@@ -171,6 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=64)
     p.add_argument("--variant", default="icecache")
     p.add_argument("--reuse", type=int, default=4)
+    p.add_argument("--impl", choices=("runtime", "paper"), default="paper",
+                   help="paper (default: the comparison is with the paper's crossover) or runtime")
     _add_common(p)
     p.set_defaults(fn=cmd_crossover)
 
@@ -178,6 +208,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="also write the Markdown table here")
     _add_common(p)
     p.set_defaults(fn=cmd_paper)
+
+    p = sub.add_parser("project", help="TPOT vs context of a few variants for one model and machine: .csv, .md, .png")
+    p.add_argument("--model", default="gemma-3-270m")
+    p.add_argument("--hardware", default="this-machine")
+    p.add_argument("--context", default="2048..32768", help="as for sweep")
+    p.add_argument("--variants", default="full,icecache")
+    p.add_argument("--budget", type=int, default=256)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--sink", type=int, default=4)
+    p.add_argument("--window", type=int, default=64)
+    p.add_argument("--dense-layers", default="none", help="leading layers kept dense (full KV), or 'none'")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--reuse", type=int, default=4)
+    p.add_argument("--impl", choices=("runtime", "paper"), default="runtime")
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--out", default="experiments/sim/gemma_projection", help="path without suffix")
+    p.add_argument("--no-plots", action="store_true")
+    _add_common(p)
+    p.set_defaults(fn=cmd_project)
 
     p = sub.add_parser("hardware", help="list hardware constants with sources")
     p.add_argument("--json", help="also write them as JSON")

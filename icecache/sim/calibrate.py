@@ -10,10 +10,15 @@ What is timed (median of ``reps`` runs after one warm-up; every raw sample is ke
   one-token insert per KV head, at several sizes, page sizes and budgets, on real keys and queries of the
   model (post-RoPE, captured from a prefill of library text; sizes beyond the captured length join the keys
   of further layers);
-- **thread pool**: the KV heads' selects on 1..T threads, giving the pool's parallel efficiency;
-- **bulk loader**: gather selected pages from a host store ``[num_pages, page_size, head_dim]`` into one
-  staging buffer (``index_select``), one copy into a "device" buffer (here a host tensor copy), scatter into
-  slots (``index_copy_``), at several page counts and page sizes.
+- **thread pool**: the KV heads' selects on 1..T threads, giving the pool's parallel efficiency; and the
+  *background share*: how much a background thread doing index work (mdci inserts during decode steps, index
+  builds during a prefill) slows the caller's thread down per second of that work (2 cores, the GIL);
+- **runtime layer** (component ``loader``): the runtime's own sparse-layer code (`icecache.runtime`:
+  `IceCache` layer, `BulkLoader`, `HeadStore`, `StageTimer`) on random K/V without a model, for 1 and the
+  model's number of KV heads: the bulk loader at controlled numbers of new tokens per head (its gather,
+  copy, scatter and bookkeeping timers), and whole decode-layer steps (update + attend) whose "insert" timer
+  gives the window append and whose untimed remainder (wrappers, accounting, prefetch submission) gives the
+  per-layer overhead.
 
 The machine is shared and the numbers are noisy; the load average before and after is recorded.
 """
@@ -52,8 +57,15 @@ class CalibrationSettings:
     insert_reps: int = 20
     pool_threads: tuple[int, ...] = (1, 2, 3)
     pool_size: int = 4096
-    loader_pages: tuple[int, ...] = (8, 32, 128, 512, 2048)
-    loader_store_bytes: int = 256 << 20
+    #: generate's per-step overhead (component "model"): prompt tokens and new tokens per generate call
+    generate_prompt_tokens: int = 256
+    generate_new_tokens: int = 24
+    #: runtime layer (component "loader"): indexed tokens, new tokens per head per load (budget: max(budgets))
+    runtime_layer_n: int = 4096
+    runtime_new_tokens: tuple[int, ...] = (0, 4, 16, 64, 256)
+    #: background share (component "pool"): decode context and prefill length of the foreground
+    background_context: int = 1024
+    background_prefill_tokens: int = 256
     reps: int = 9
     statistic: str = "p25"
     pager_time_limit_s: float = 90.0
@@ -67,7 +79,9 @@ class CalibrationSettings:
         return cls(
             contexts=(32, 64, 128), attention_tokens=(32, 128, 256), prefill_tokens=(16, 32, 64), qk_tokens=64,
             pager_sizes=(128, 256), page_sizes=(8, 16), budgets=(16, 32), insert_reps=3, pool_threads=(1, 2),
-            pool_size=128, loader_pages=(4, 16, 64), loader_store_bytes=1 << 20, reps=2, pager_time_limit_s=10.0,
+            pool_size=128, runtime_layer_n=256, runtime_new_tokens=(0, 4, 16), background_context=32, generate_prompt_tokens=16,
+            generate_new_tokens=6,
+            background_prefill_tokens=16, reps=2, pager_time_limit_s=10.0,
         )
 
 
@@ -233,6 +247,52 @@ def measure_prefill(model: Any, input_ids: Any, tokens: Sequence[int], reps: int
     return [{"tokens": n, "seconds": secs[n]} for n in tokens]
 
 
+def measure_generate_step(model: Any, input_ids: Any, new_tokens: int, reps: int, seed: int = 0) -> list[dict[str, Any]]:
+    """What `transformers`' ``generate`` adds to each decode step beyond the model's forward.
+
+    ``generate`` of ``new_tokens`` greedy tokens after the prompt ``input_ids`` (a streamer time-stamps every
+    token; the gaps after the first are decode steps at contexts ``T+1 .. T+new_tokens-1``), and one-token
+    forwards at the mean of those contexts (as `measure_decode_step`), in alternating rounds.
+    """
+    import torch
+
+    T = int(input_ids.shape[1])
+    ctx = T + new_tokens // 2
+    cache = _filled_cache(model, ctx, seed)
+    ids = torch.tensor([[7]])
+
+    class Clock:
+        def __init__(self) -> None:
+            self.t: list[float] = []
+
+        def put(self, value: Any) -> None:
+            self.t.append(time.perf_counter())
+
+        def end(self) -> None:
+            pass
+
+    gen: list[float] = []
+    fwd: list[float] = []
+    for r in range(reps + 1):
+        clock = Clock()
+        with torch.inference_mode():
+            model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens,
+                           min_new_tokens=new_tokens, do_sample=False, streamer=clock, pad_token_id=0)
+        steps = [b - a for a, b in zip(clock.t[1:], clock.t[2:])]  # put 0: the prompt; put 1: the first token
+        f = []
+        for _ in range(len(steps)):
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                model(input_ids=ids, past_key_values=cache, position_ids=torch.tensor([[ctx]]), cache_position=torch.tensor([ctx]),
+                      use_cache=True)
+            f.append(time.perf_counter() - t0)
+            cache.crop(ctx)
+        if r:  # round 0 is a warm-up
+            gen += steps
+            fwd += f
+    return [{"context": ctx, "prompt_tokens": T, "new_tokens": new_tokens, "generate_s": gen, "forward_s": fwd}]
+
+
 def capture_qk(model: Any, input_ids: Any, timing: dict[str, float] | None = None) -> tuple[Any, Any]:
     """Post-RoPE queries ``[L, Hq, n, d]`` and keys ``[L, Hkv, n, d]`` of one prefill (float32).
 
@@ -383,42 +443,194 @@ def measure_pool(
     return [{"threads": T, "jobs": jobs if T else 1, "n": n, "seconds": secs[T]} for T in fns]
 
 
-# ---------------------------------------------------------------------------------------------- loader
-def measure_loader(
-    page_sizes: Sequence[int], pages: Sequence[int], head_dim: int, store_bytes: int, reps: int, dtype: Any = None, seed: int = 0
-) -> dict[str, list[dict[str, Any]]]:
-    """Gather (index_select into staging), copy (into the 'device' buffer), scatter (index_copy_ into slots).
+# ---------------------------------------------------------------------------------------------- runtime layer
+def _layer_config(kv_heads: int, group: int, head_dim: int) -> Any:
+    """A one-layer Llama config with the attention geometry of interest (IceCache reads only the config)."""
+    from transformers import LlamaConfig
 
-    The host store holds ``store_bytes`` (default 256 MiB, larger than any last-level cache, as a real host KV
-    store is), so gathered pages come from DRAM; staging, device buffer and slot table are budget-sized."""
+    return LlamaConfig(num_hidden_layers=1, num_attention_heads=kv_heads * group, num_key_value_heads=kv_heads,
+                       head_dim=head_dim, hidden_size=kv_heads * group * head_dim, intermediate_size=64, vocab_size=128,
+                       max_position_embeddings=1 << 20)
+
+
+def measure_runtime_layer(
+    heads: Sequence[int], group: int, head_dim: int, dtype: Any, n: int, budget: int, page_size: int,
+    new_tokens: Sequence[int], reps: int, seed: int = 0, traces: Sequence[bool] = (False, True),
+) -> dict[str, list[dict[str, Any]]]:
+    """Time the runtime's sparse-layer code (no model; random K/V; the ``sequential`` pager, whose costs do not
+    enter these numbers) for each KV head count in ``heads``:
+
+    - ``loader``: `BulkLoader.load` with exactly ``k`` new tokens per head among ``budget`` selected (for every
+      ``k`` in ``new_tokens``), its own stage timer's gather / copy / scatter / other seconds;
+    - ``layer``: whole decode-layer steps through the runtime's entry points (``IceCache.update`` and the
+      registered ``icecache`` attention function, with the prefetched insert), the stage timer's seconds and the
+      wall time (the untimed remainder is the per-layer overhead), without and with ``IceCacheConfig(trace=True)``
+      for each flag in ``traces``. The worker pool's prefetch job is waited for between steps, outside the timed
+      span.
+    """
+    import types
+
+    from icecache.runtime.attention import icecache_attention
+
     import torch
 
-    dtype = dtype or torch.float32
+    from icecache.core.config import IceCacheConfig
+    from icecache.runtime.cache import IceCache
+    from icecache.runtime.timing import StageTimer
+
     g = torch.Generator().manual_seed(seed)
-    out: dict[str, list[dict[str, Any]]] = {"gather": [], "copy": [], "scatter": []}
-    esize = torch.tensor([], dtype=dtype).element_size()
-    for P in page_sizes:
-        store_pages = max(max(pages), store_bytes // (P * head_dim * esize))
-        store = torch.empty(store_pages, P, head_dim, dtype=dtype).normal_(generator=g)
-        kmax = min(max(pages), store_pages)
-        staging = torch.empty(kmax, P, head_dim, dtype=dtype)
-        device_buf = torch.empty(kmax, P, head_dim, dtype=dtype)
-        table = torch.zeros(kmax * 2, P, head_dim, dtype=dtype)
-        for k in pages:
-            if k > store_pages:
-                continue
-            nbytes = k * P * head_dim * esize
-            r = reps * 3 if nbytes < 1 << 20 else reps
-            # a fresh page set per call: pages of a real step are new ones, not the cache-warm pages of the last call
-            idxs = [torch.randperm(store_pages, generator=g)[:k] for _ in range(r + 2)]
-            slot_sets = [torch.randperm(kmax * 2, generator=g)[:k] for _ in range(r + 2)]
-            st, dv = staging[:k], device_buf[:k]
-            it_g, it_s = iter(idxs), iter(slot_sets)
-            row = {"bytes": nbytes, "pages": k, "page_size": P}
-            out["gather"].append({**row, "seconds": timeit(lambda: torch.index_select(store, 0, next(it_g), out=st), r, 2)})
-            out["copy"].append({**row, "seconds": timeit(lambda: dv.copy_(st), r, 2)})
-            out["scatter"].append({**row, "seconds": timeit(lambda: table.index_copy_(0, next(it_s), dv), r, 2)})
-        del store
+    rng = np.random.default_rng(seed)
+    out: dict[str, list[dict[str, Any]]] = {"loader": [], "layer": []}
+    elt = torch.tensor([], dtype=dtype).element_size()
+    for H in heads:
+        for traced in traces:
+            ice = IceCacheConfig(budget=budget, page_size=page_size, index="sequential", dense_layers=(), threads=1, seed=seed,
+                                 trace=traced)
+            with torch.inference_mode(), IceCache(_layer_config(H, group, head_dim), ice) as cache:
+                layer = cache.layers[0]
+                layer.update(torch.randn(1, H, n, head_dim, generator=g, dtype=dtype), torch.randn(1, H, n, head_dim, generator=g, dtype=dtype))
+                layer.finish_prefill(None)
+                cache.pipeline.wait_all()
+                m = len(layer.pagers[0][0])
+                if not traced:  # ---- bulk loader at controlled new tokens per head
+                    first = [[rng.choice(m, budget, replace=False) for _ in range(H)]]
+                    layer.loader.load(layer.stores, first, [[None] * H], StageTimer())
+                    for k in sorted(set(new_tokens)):
+                        secs: dict[str, list[float]] = {s_: [] for s_ in ("gather", "copy", "scatter", "other")}
+                        for r in range(reps + 1):
+                            pos = []
+                            for h in range(H):
+                                res = layer.loader.resident_positions(0, h)
+                                keep = rng.choice(res, budget - k, replace=False) if budget > k else res[:0]
+                                free = np.setdiff1d(np.arange(m), res)
+                                pos.append(np.concatenate([keep, rng.choice(free, k, replace=False)]).astype(np.int64))
+                            timer = StageTimer()
+                            rep_ = layer.loader.load(layer.stores, [pos], [[None] * H], timer)
+                            assert rep_.tokens_copied == H * k
+                            if r:  # the first call after a change of k is a warm-up
+                                for s_ in secs:
+                                    secs[s_].append(timer.seconds[s_])
+                        out["loader"].append({"heads": H, "new_tokens": k, "selected": budget, "head_dim": head_dim,
+                                              "dtype_bytes": elt, "bytes": H * k * 2 * head_dim * elt, "seconds_by_stage": secs})
+                # ---- whole decode-layer steps through the runtime's entry points (prefetched inserts)
+                module = types.SimpleNamespace(layer_idx=0)
+                scale = head_dim ** -0.5
+                rows: list[dict[str, Any]] = []
+                for r in range(reps + 2):
+                    k1 = torch.randn(1, H, 1, head_dim, generator=g, dtype=dtype)
+                    q = torch.randn(1, H * group, 1, head_dim, generator=g, dtype=dtype)
+                    cache.pipeline.wait(0)  # the previous step's prefetched insert, outside the timed span
+                    before = dict(cache.timer.seconds)
+                    t0 = time.perf_counter()
+                    kk, vv = cache.update(k1, k1.clone(), 0)
+                    icecache_attention(module, q, kk, vv, None, scaling=scale)
+                    wall = time.perf_counter() - t0
+                    stages = {s_: cache.timer.seconds[s_] - before.get(s_, 0.0) for s_ in cache.timer.seconds}
+                    if r >= 2:  # step 0 inserts synchronously (nothing prefetched yet); step 1 is a warm-up
+                        rows.append({"wall": wall, **stages})
+                cache.pipeline.wait_all()
+                row = {"heads": H, "group": group, "head_dim": head_dim, "n": n, "budget": budget, "trace": traced, "steps": rows}
+                if not traced:  # ---- the same steps with the insert done synchronously (what the worker job runs)
+                    pager_s = [0.0]
+                    for prow in layer.pagers:
+                        for pg in prow:
+                            def timed_insert(*a: Any, _f: Any = pg.insert, **kw: Any) -> Any:
+                                t0 = time.perf_counter()
+                                try:
+                                    return _f(*a, **kw)
+                                finally:
+                                    pager_s[0] += time.perf_counter() - t0
+                            pg.insert = timed_insert
+                    cache.prefetch_inserts = False
+                    sync: list[dict[str, float]] = []
+                    for r in range(reps + 1):
+                        k1 = torch.randn(1, H, 1, head_dim, generator=g, dtype=dtype)
+                        before, p0 = cache.timer.seconds["insert"], pager_s[0]
+                        kk, vv = cache.update(k1, k1.clone(), 0)
+                        icecache_attention(module, torch.randn(1, H * group, 1, head_dim, generator=g, dtype=dtype), kk, vv, None,
+                                           scaling=scale)
+                        if r:
+                            sync.append({"insert": cache.timer.seconds["insert"] - before, "pager_insert": pager_s[0] - p0})
+                    row["sync_inserts"] = sync
+                out["layer"].append(row)
+    return out
+
+
+def measure_background_share(
+    model: Any, pool: KeyPool, context: int, prefill_tokens: int, input_ids: Any, n_keys: int, page_size: int,
+    reps: int, pager: str = "mdci", seed: int = 0,
+) -> dict[str, Any]:
+    """How much a background thread doing index work slows the caller's thread, per second of that work.
+
+    Foregrounds: a one-token decode step at ``context`` (while the background inserts keys into a ``pager`` of
+    ``n_keys`` keys, as the runtime's prefetch does) and a prefill of ``prefill_tokens`` (while the background
+    builds indexes, as the prefill pipeline does). ``share = (foreground time with - without) / (background
+    work done meanwhile, at its own undisturbed speed)``; alone and loaded rounds alternate.
+    """
+    import threading
+
+    import torch
+
+    from icecache.indexes import make_pager
+
+    def bg_insert() -> Callable[[], None]:
+        pg = make_pager(pager, head_dim=pool.d, page_size=page_size, seed=seed)
+        pg.build(pool.keys_for(n_keys))
+        extra = pool.keys_for(min(4096, pool.keys.shape[0] - n_keys), offset=n_keys)
+        it = iter(range(10**12))
+        return lambda: pg.insert(extra[next(it) % extra.shape[0]][None])
+
+    def bg_build() -> Callable[[], None]:
+        keys = pool.keys_for(min(n_keys, 4096))
+        return lambda: make_pager(pager, head_dim=pool.d, page_size=page_size, seed=seed).build(keys)
+
+    cache = _filled_cache(model, context, seed)
+    ids = torch.tensor([[7]])
+
+    def decode() -> None:
+        with torch.inference_mode():
+            model(input_ids=ids, past_key_values=cache, position_ids=torch.tensor([[context]]),
+                  cache_position=torch.tensor([context]), use_cache=True)
+        cache.crop(context)
+
+    def prefill() -> None:
+        with torch.inference_mode():
+            model(input_ids=input_ids[:, :prefill_tokens], use_cache=True)
+
+    out: dict[str, Any] = {}
+    for name, fg, make_bg, fg_reps in (("decode", decode, bg_insert, max(reps, 5) * 4), ("prefill", prefill, bg_build, max(reps // 2, 3))):
+        job = make_bg()
+        job_s = statistics.median(timeit(job, 15 if name == "decode" else 5, warmup=2))
+        alone: list[float] = []
+        loaded: list[float] = []
+        done = [0]
+        busy_windows: list[float] = []
+        for _ in range(2):
+            fg()  # warm-up
+        for r in range(fg_reps):
+            alone.append(timeit(fg, 1, warmup=0)[0])
+            stop = threading.Event()
+            done[0] = 0
+
+            def loop() -> None:
+                while not stop.is_set():
+                    job()
+                    done[0] += 1
+
+            th = threading.Thread(target=loop, daemon=True)
+            th.start()
+            time.sleep(0.002)
+            c0, t0 = done[0], time.perf_counter()
+            fg()
+            t1, c1 = time.perf_counter(), done[0]
+            stop.set()
+            th.join()
+            loaded.append(t1 - t0)
+            busy_windows.append((c1 - c0) * job_s)
+        slow = sum(loaded) - sum(alone)
+        work = sum(busy_windows)
+        out[name] = {"job_s": job_s, "alone_s": alone, "loaded_s": loaded, "background_work_s": busy_windows,
+                     "share": slow / work if work > 0 else None, "pager": pager, "n_keys": n_keys}
     return out
 
 
@@ -445,14 +657,72 @@ def fit_profile_predictors(samples: dict[str, Any], statistic: str = "p25") -> d
     fit("attention", "affine", samples.get("attention", []), ["kv_tokens"])
     fit("lm_head", "constant", samples.get("lm_head", []), [])
     fit("prefill", "quadratic", samples.get("prefill", []), ["tokens"])
-    for comp in ("gather", "scatter"):
-        fit(comp, "affine", samples.get(comp, []), ["bytes", "pages"])
-    fit("copy", "affine", samples.get("copy", []), ["bytes"])
+    for r in samples.get("generate_step", [])[:1]:
+        extra = STATISTICS[statistic](r["generate_s"]) - STATISTICS[statistic](r["forward_s"])
+        preds["step_other"] = Predictor(name="step_other", form="constant", features=(), params=(max(extra, 0.0),), lo=(), hi=(),
+                                        fit_mape=0.0, n_points=len(r["generate_s"]))
+    if samples.get("runtime_layer"):
+        _fit_runtime_layer(samples["runtime_layer"], preds, statistic)
+    else:  # profiles measured before the runtime existed: page gathers of a synthetic store
+        for comp in ("gather", "scatter"):
+            fit(comp, "affine", samples.get(comp, []), ["bytes", "pages"])
+        fit("copy", "affine", samples.get("copy", []), ["bytes"])
     for name, rows in samples.get("pagers", {}).items():
         fit(f"select/{name}", "pwpower", rows["select"], ["n", "budget", "page_size"])
         fit(f"build/{name}", "pwpower", rows["build"], ["n", "page_size"])
         fit(f"insert/{name}", "pwpower", rows["insert"], ["n"])
     return preds
+
+
+def _fit_runtime_layer(data: dict[str, Any], preds: dict[str, Predictor], statistic: str) -> None:
+    """Loader, append and per-layer overhead predictors from `measure_runtime_layer` samples.
+
+    Per call as the simulator asks (`icecache.sim.costs.MeasuredCosts`): gather per ``index_select`` (one per
+    head with new tokens; features bytes and rows per call), copy (one per layer), scatter per operation
+    (`SCATTER_OPS` per layer, features per operation), bookkeeping per layer (heads, selected tokens); append
+    and overhead per layer (heads).
+    """
+    from icecache.sim.costs import SCATTER_OPS
+
+    stat = STATISTICS[statistic]
+    rows: dict[str, list[tuple[list[float], float]]] = {
+        k: [] for k in ("gather", "copy", "scatter", "loader_other", "append", "overhead", "overhead_traced", "insert_store")}
+    for r in data.get("loader", []):
+        H, k, nbytes, sec = r["heads"], r["new_tokens"], float(r["bytes"]), r["seconds_by_stage"]
+        if k > 0:
+            rows["gather"].append(([nbytes / H, float(k)], stat(sec["gather"]) / H))
+            rows["copy"].append(([nbytes], stat(sec["copy"])))
+        rows["scatter"].append(([nbytes / SCATTER_OPS, H * k / SCATTER_OPS], stat(sec["scatter"]) / SCATTER_OPS))
+        rows["loader_other"].append(([float(H), float(H * r["selected"])], stat(sec["other"])))
+    for r in data.get("layer", []):
+        steps = r["steps"]
+        timed = [sum(v for k_, v in st.items() if k_ != "wall") for st in steps]
+        untimed = ([float(r["heads"])], stat([st["wall"] - t for st, t in zip(steps, timed)]))
+        if r.get("trace"):
+            rows["overhead_traced"].append(untimed)
+        else:
+            append = stat([st["insert"] for st in steps])
+            rows["append"].append(([float(r["heads"])], append))
+            rows["overhead"].append(untimed)
+            if r.get("sync_inserts"):  # the worker job beyond the pager inserts: host-store sync, moves
+                rows["insert_store"].append(([float(r["heads"])], stat([x["insert"] - x["pager_insert"] for x in r["sync_inserts"]]) - append))
+    feats = {"gather": ["bytes", "rows"], "copy": ["bytes"], "scatter": ["bytes", "rows"], "loader_other": ["heads", "tokens"],
+             "append": ["heads"], "overhead": ["heads"], "overhead_traced": ["heads"], "insert_store": ["heads"]}
+    for name, pts in rows.items():
+        pts = [(x, y) for x, y in pts if y > 0]
+        if pts:
+            preds[name] = fit_predictor(name, "affine", feats[name], np.array([x for x, _ in pts]), np.array([y for _, y in pts]))
+
+
+def background_meta(bg: dict[str, Any] | None) -> dict[str, float]:
+    """``background_share`` (decode: prefetched inserts) and ``background_share_prefill`` (index builds) from
+    `measure_background_share`, each clamped to [0, 1] (the raw values stay in the samples)."""
+    out: dict[str, float] = {}
+    for key, name in (("background_share", "decode"), ("background_share_prefill", "prefill")):
+        v = (bg or {}).get(name, {}).get("share")
+        if v is not None:
+            out[key] = min(max(float(v), 0.0), 1.0)
+    return out
 
 
 def pool_efficiency(rows: list[dict[str, Any]], statistic: str = "p25") -> dict[str, float]:
@@ -471,10 +741,10 @@ def pool_efficiency(rows: list[dict[str, Any]], statistic: str = "p25") -> dict[
 # ---------------------------------------------------------------------------------------------- driver
 COMPONENTS: dict[str, tuple[str, ...]] = {
     # component: the sample keys it owns
-    "model": ("decode_step", "attention", "lm_head", "prefill"),
+    "model": ("decode_step", "attention", "lm_head", "prefill", "generate_step"),
     "pagers": ("pagers",),
-    "pool": ("pool",),
-    "loader": ("gather", "copy", "scatter"),
+    "pool": ("pool", "background"),
+    "loader": ("gather", "copy", "scatter", "runtime_layer"),
 }
 
 
@@ -499,13 +769,19 @@ def merge_profiles(base: CalibrationProfile, new: CalibrationProfile, components
             raise ConfigError(f"cannot merge profiles of different machines ({key}: {base.machine.get(key)} vs {new.machine.get(key)})")
     if base.versions != new.versions:
         raise ConfigError(f"cannot merge profiles measured with different library versions: {base.versions} vs {new.versions}")
-    if base.meta.get("shape") != new.meta.get("shape"):
+    from icecache.sim.shapes import shape_from_dict
+
+    shapes = [shape_from_dict(p.meta["shape"]) if "shape" in p.meta else None for p in (base, new)]
+    if shapes[0] != shapes[1]:  # compared as shapes: a profile written before a field existed still merges
         raise ConfigError("cannot merge profiles of different models")
     samples = dict(base.samples)
     for c in components:
-        for key in COMPONENTS[c]:
+        for key in COMPONENTS[c]:  # a re-measured component replaces all of its old samples ...
+            old = samples.pop(key, None)
             if key in new.samples:
                 samples[key] = new.samples[key]
+            if key == "pagers" and old:  # ... except pagers not timed this time (the version check flags them)
+                samples[key] = {**old, **new.samples.get(key, {})}
     stat = new.meta.get("statistic", "p25")
     meta = dict(base.meta)
     runs = [dict(r, components=[c for c in r["components"] if c not in components]) for r in _runs_of(base)]
@@ -515,11 +791,14 @@ def merge_profiles(base: CalibrationProfile, new: CalibrationProfile, components
     if "pool" in components:
         meta["pool_efficiency"] = new.meta.get("pool_efficiency", meta.get("pool_efficiency"))
         meta["pool_pager"] = new.meta.get("pool_pager")
-    if "pagers" in components:
-        meta["pagers"] = new.meta.get("pagers", [])
+        for key in ("background_share", "background_share_prefill"):
+            meta.pop(key, None)
+            if key in new.meta:
+                meta[key] = new.meta[key]
     hashes = dict(base.pager_hashes)
     if "pagers" in components:
-        hashes = dict(new.pager_hashes)
+        meta["pagers"] = sorted(set(base.meta.get("pagers", [])) | set(new.meta.get("pagers", [])))
+        hashes.update(new.pager_hashes)
     return CalibrationProfile(
         machine=dict(base.machine), versions=dict(base.versions), pager_hashes=hashes, created=new.created,
         predictors=fit_profile_predictors(samples, stat), meta=meta, samples=samples,
@@ -575,6 +854,8 @@ def run_calibration(
         samples["lm_head"] = measure_lm_head(model, s.reps)
         log("prefill vs tokens ...")
         samples["prefill"] = measure_prefill(model, ids, s.prefill_tokens, s.reps)
+        log("generate's per-step overhead ...")
+        samples["generate_step"] = measure_generate_step(model, ids[:, : s.generate_prompt_tokens], s.generate_new_tokens, s.reps, s.seed)
     names: list[str] = []
     pool_name = None
     g, d = shape.group_size, shape.head_dim
@@ -605,9 +886,17 @@ def run_calibration(
             log(f"thread pool ({pool_name}, {shape.kv_heads} heads) ...")
             samples["pool"] = measure_pool(pool_name, pool, shape.kv_heads, min(s.pool_size, pool.keys.shape[0] // 2),
                                            16 if 16 in s.page_sizes else s.page_sizes[0], max(s.budgets), s.pool_threads, s.reps, s.seed)
+    if "pool" in components and pool_name:
+        log("background share (foreground slowdown per second of background index work) ...")
+        n_bg = min(s.pool_size, pool.keys.shape[0] // 2)
+        samples["background"] = measure_background_share(
+            model, pool, s.background_context, min(s.background_prefill_tokens, ids.shape[1]), ids, n_bg,
+            16 if 16 in s.page_sizes else s.page_sizes[0], s.reps, pool_name, s.seed)
     if "loader" in components:
-        log("bulk loader (gather / copy / scatter) ...")
-        samples.update(measure_loader(s.page_sizes, s.loader_pages, shape.head_dim, s.loader_store_bytes, s.reps, model.dtype, s.seed))
+        log("runtime layer (bulk loader, window append, per-layer overhead) ...")
+        samples["runtime_layer"] = measure_runtime_layer(
+            sorted({1, shape.kv_heads}), shape.group_size, shape.head_dim, model.dtype, s.runtime_layer_n, max(s.budgets),
+            16 if 16 in s.page_sizes else s.page_sizes[0], [k for k in s.runtime_new_tokens if k <= max(s.budgets)], s.reps * 2, s.seed)
     info["loadavg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     wall = time.perf_counter() - t0
     created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
@@ -626,6 +915,7 @@ def run_calibration(
             "head_dim": d,
             "pool_pager": pool_name,
             "pool_efficiency": pool_efficiency(samples["pool"], s.statistic) if "pool" in samples else {"1": 1.0},
+            **background_meta(samples.get("background")),
             "pagers": names,
             "settings": asdict(s),
             "wall_s": wall,

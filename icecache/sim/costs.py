@@ -38,6 +38,12 @@ from icecache.core.errors import ConfigError
 Extrapolation = Literal["refuse", "warn", "allow"]
 EXTRAPOLATION_POLICIES: tuple[str, ...] = ("refuse", "warn", "allow")
 PROFILE_SCHEMA = 1
+#: Device writes of the window ring per sparse layer and step in the runtime (`IceCacheLayer._decode_append`:
+#: K, V and the validity mask).
+RING_WRITES = 3
+#: Scatter operations per sparse layer and step in the runtime (`BulkLoader.load`: ``index_copy_`` of K and of
+#: V, and the validity-mask write, which happens even when nothing was copied).
+SCATTER_OPS = 3
 
 
 class ExtrapolationError(ConfigError):
@@ -469,7 +475,11 @@ class MeasuredCosts:
 
     Predictor names used: ``decode_step`` (context), ``attention`` (kv_tokens), ``lm_head`` (constant),
     ``prefill`` (tokens), ``select/<pager>`` (n, budget, page_size), ``build/<pager>`` (n, page_size),
-    ``insert/<pager>`` (n), ``gather`` (bytes, pages), ``copy`` (bytes), ``scatter`` (bytes, pages).
+    ``insert/<pager>`` (n), ``gather`` (bytes, rows per call), ``copy`` (bytes), ``scatter`` (bytes, rows per
+    call), and when measured ``loader_other`` (heads, tokens: the bulk loader's bookkeeping per layer) and
+    ``append`` and ``overhead`` (heads: the window ring write and the untimed runtime work per layer);
+    ``meta["background_share"]`` is the measured fraction of background pool work that slows the caller's
+    thread down (see `background_share`).
 
     The decode step of the measured model is split into its parts without new assumptions: per-layer
     attention intercept from ``attention``, LM head from ``lm_head``, the remainder of the step intercept as
@@ -556,11 +566,17 @@ class MeasuredCosts:
         return self.profile.predictor("lm_head").params[0] * self._shape_ratio(shape, "head", notes)
 
     def step_other_s(self, shape: Any, notes: list[str] | None = None) -> float:
-        """Per-step host overhead outside the layers beyond what the measured step includes (none measured)."""
-        return 0.0
+        """Per-step host work of `transformers`' ``generate`` loop beyond the model's forward (logits processing,
+        stopping criteria, input bookkeeping): the ``step_other`` predictor; 0 (noted) when not measured."""
+        if "step_other" not in self.profile.predictors:
+            _note(notes, "generate's per-step overhead not measured; counted as 0")
+            return 0.0
+        return self._p("step_other", [], notes)
 
-    def prefill_layer_s(self, shape: Any, tokens: int, notes: list[str] | None = None) -> float:
-        """Prefill of one layer over ``tokens`` prompt tokens."""
+    def prefill_layer_s(self, shape: Any, tokens: int, notes: list[str] | None = None, window: int | None = None) -> float:
+        """Prefill of one layer over ``tokens`` prompt tokens. ``window`` (a sliding layer) does not change the
+        time here: transformers' SDPA path applies the window as a mask over the causal attention, so the CPU
+        computes every score anyway."""
         ref = self.measured_shape
         total = self._p("prefill", [tokens], notes) - self.profile.predictor("lm_head").params[0]
         return max(total, 0.0) / ref.layers * self._shape_ratio(shape, "weights", notes)
@@ -593,6 +609,54 @@ class MeasuredCosts:
             return 0.0
         return self._p(name, [max(n, 1)], notes) * self._shape_ratio(shape, "build", notes)
 
+    def _per_layer(self, name: str, what: str, shape: Any, notes: list[str] | None) -> float:
+        if name not in self.profile.predictors:
+            _note(notes, f"no {what} cost measured; counted as 0")
+            return 0.0
+        pred = self.profile.predictor(name)
+        return self._p(name, [float(shape.kv_heads)] if pred.features else [], notes)
+
+    def append_s(self, shape: Any, notes: list[str] | None = None) -> float:
+        """The synchronous part of the runtime's window insert per sparse layer and step (ring write of K, V and
+        mask, sink bookkeeping): the ``append`` predictor at the shape's KV heads, 0 (noted) when not measured."""
+        return self._per_layer("append", "window-append", shape, notes)
+
+    def insert_store_s(self, shape: Any, notes: list[str] | None = None) -> float:
+        """The runtime's insert job per sparse layer beyond the pager inserts (page-table moves, host-store sync
+        of every (row, KV head)): the ``insert_store`` predictor at the shape's KV heads, 0 (noted) when not
+        measured."""
+        return self._per_layer("insert_store", "host-store insert", shape, notes)
+
+    def overhead_s(self, shape: Any, notes: list[str] | None = None, traced: bool = False) -> float:
+        """The runtime's untimed work per sparse layer and step (cache and attention entry points, accounting,
+        the prefetch job's submission): the ``overhead`` predictor at the shape's KV heads (``overhead_traced``
+        when the run records a selection trace), 0 (noted) when not measured."""
+        if traced and "overhead_traced" in self.profile.predictors:
+            return self._per_layer("overhead_traced", "per-layer runtime overhead with a trace", shape, notes)
+        if traced:
+            _note(notes, "per-layer overhead of a traced run not measured; the untraced one is used")
+        return self._per_layer("overhead", "per-layer runtime overhead", shape, notes)
+
+    def loader_other_s(self, heads: int, tokens: float, notes: list[str] | None = None) -> float:
+        """The bulk loader's bookkeeping for one layer (residency per (row, KV head) over ``tokens`` selected
+        tokens in all): the ``loader_other`` predictor, 0 (noted) when the profile has none."""
+        if "loader_other" not in self.profile.predictors:
+            _note(notes, "no loader bookkeeping cost measured; counted as 0")
+            return 0.0
+        return self._p("loader_other", [heads, tokens], notes)
+
+    def background_share(self, notes: list[str] | None = None, phase: str = "decode") -> float:
+        """Fraction of background pool work by which it delays the caller's thread on this machine, as measured
+        by the calibration: ``meta["background_share"]`` for decode (prefetched inserts beside decode steps),
+        ``meta["background_share_prefill"]`` for prefill (index builds beside the prefill); 1 (the work shares
+        the one CPU resource with everything else, serially) when it was not measured."""
+        key = "background_share" if phase == "decode" else "background_share_prefill"
+        v = self.profile.meta.get(key)
+        if v is None:
+            _note(notes, f"{key} not measured: background pool work counted as serial (1)")
+            return 1.0
+        return min(max(float(v), 0.0), 1.0)
+
     def pool_efficiency(self, threads: int, notes: list[str] | None = None) -> float:
         """Parallel efficiency of ``threads`` pool threads (job time is divided by it), as measured."""
         eff = {int(k): float(v) for k, v in self.profile.meta.get("pool_efficiency", {"1": 1.0}).items()}
@@ -601,11 +665,12 @@ class MeasuredCosts:
             _note(notes, f"pool efficiency measured up to {max(eff)} threads; {threads} uses that value")
         return eff.get(t, eff[max(k for k in eff if k <= t)])
 
-    def gather_s(self, nbytes: float, pages: float, calls: int, notes: list[str] | None = None) -> float:
-        """Gather of ``pages`` pages (``nbytes``) from the host store into staging, in ``calls`` index_select calls."""
+    def gather_s(self, nbytes: float, rows: float, calls: int, notes: list[str] | None = None) -> float:
+        """Gather of ``rows`` index rows (``nbytes``) from the host store into staging, in ``calls``
+        index_select calls (the runtime: one per (row, KV head), a row being one token's K and V)."""
         if calls == 0 or nbytes == 0:
             return 0.0
-        return calls * self._p("gather", [nbytes / calls, pages / calls], notes)
+        return calls * self._p("gather", [nbytes / calls, rows / calls], notes)
 
     def copy_h2d_s(self, nbytes: float, calls: int, notes: list[str] | None = None) -> float:
         """Host-to-device copy (here a host tensor copy)."""
@@ -617,11 +682,12 @@ class MeasuredCosts:
         """Device-to-host copy (offload; here the same host tensor copy)."""
         return self.copy_h2d_s(nbytes, calls, notes)
 
-    def scatter_s(self, nbytes: float, pages: float, calls: int, notes: list[str] | None = None) -> float:
-        """Scatter of staged pages into their device slots (``index_copy_``)."""
-        if calls == 0 or nbytes == 0:
+    def scatter_s(self, nbytes: float, rows: float, calls: int, notes: list[str] | None = None) -> float:
+        """Scatter of staged rows into their device slots in ``calls`` operations (``index_copy_`` of K and V,
+        validity mask); with ``nbytes == 0`` only the mask write is left, which the runtime still does."""
+        if calls == 0:
             return 0.0
-        return calls * self._p("scatter", [nbytes / calls, pages / calls], notes)
+        return calls * self._p("scatter", [nbytes / calls, rows / calls], notes)
 
 
 @dataclass(frozen=True)
@@ -678,9 +744,12 @@ class GpuCosts:
     def step_other_s(self, shape: Any, notes: list[str] | None = None) -> float:
         return self.hardware.device.step_overhead_s.value
 
-    def prefill_layer_s(self, shape: Any, tokens: int, notes: list[str] | None = None) -> float:
+    def prefill_layer_s(self, shape: Any, tokens: int, notes: list[str] | None = None, window: int | None = None) -> float:
+        """Prefill FLOPs of one layer over the device; a sliding layer (``window``) computes only the scores
+        inside its window (flash attention skips the masked blocks)."""
         dev = self.hardware.device
-        flops = shape.layer_flops_per_token() * tokens + shape.attention_flops(tokens, tokens, causal=True)
+        att = shape.prefill_attention_flops(tokens, window) if window else shape.attention_flops(tokens, tokens, causal=True)
+        flops = shape.layer_flops_per_token() * tokens + att
         return dev.layer_overhead_s.value + flops / (dev.peak_flops.value * dev.prefill_mfu.value)
 
     def select_job_s(self, shape: Any, pager: str, n: int, budget: int, page_size: int, notes: list[str] | None = None) -> float:
@@ -691,6 +760,26 @@ class GpuCosts:
 
     def insert_job_s(self, shape: Any, pager: str, n: int, notes: list[str] | None = None) -> float:
         return self.host_time_scale * self.host.insert_job_s(shape, pager, n, notes)
+
+    def append_s(self, shape: Any, notes: list[str] | None = None) -> float:
+        """Window ring write: `RING_WRITES` small device writes per sparse layer."""
+        return RING_WRITES * self.hardware.device.kernel_launch_s.value
+
+    def loader_other_s(self, heads: int, tokens: float, notes: list[str] | None = None) -> float:
+        """The bulk loader's host bookkeeping, as measured here times the host's gather scale."""
+        return self.hardware.host.gather_scale.value * self.host.loader_other_s(heads, tokens, notes)
+
+    def insert_store_s(self, shape: Any, notes: list[str] | None = None) -> float:
+        """The host-store part of the insert job, as measured here times the host's gather scale."""
+        return self.hardware.host.gather_scale.value * self.host.insert_store_s(shape, notes)
+
+    def overhead_s(self, shape: Any, notes: list[str] | None = None, traced: bool = False) -> float:
+        """The runtime's untimed host work per sparse layer, as measured here times the host's gather scale."""
+        return self.hardware.host.gather_scale.value * self.host.overhead_s(shape, notes, traced)
+
+    def background_share(self, notes: list[str] | None = None, phase: str = "decode") -> float:
+        """Unused off a shared machine (the pool, the caller's thread and the device are separate resources)."""
+        return 1.0
 
     def pool_efficiency(self, threads: int, notes: list[str] | None = None) -> float:
         return float(self.hardware.host.pool_efficiency.value)
@@ -708,4 +797,4 @@ class GpuCosts:
 
     def scatter_s(self, nbytes: float, pages: float, calls: int, notes: list[str] | None = None) -> float:
         dev = self.hardware.device
-        return transfer_time_s(nbytes, calls if nbytes else 0, dev.kernel_launch_s.value, dev.hbm_achieved_Bps.value / 2)
+        return transfer_time_s(nbytes, calls, dev.kernel_launch_s.value, dev.hbm_achieved_Bps.value / 2)

@@ -205,20 +205,23 @@ class LayerLoad:
     new_pages: int
     pages: int
     tokens_per_head: float
+    heads_with_new: int | None = None
+    """(row, KV head) records of the layer that copied anything (the runtime gathers once for each)."""
 
 
 def trace_step_loads(trace: Trace) -> dict[int, dict[int, LayerLoad]]:
     """``{step: {layer: LayerLoad}}`` for trace replay."""
     acc: dict[int, dict[int, list[float]]] = {}
     for r in trace.records:
-        a = acc.setdefault(int(r["step"]), {}).setdefault(int(r["layer"]), [0, 0, 0, 0.0, 0])
+        a = acc.setdefault(int(r["step"]), {}).setdefault(int(r["layer"]), [0, 0, 0, 0.0, 0, 0])
         a[0] += int(r["bytes"])
         a[1] += int(r["new_pages"])
         a[2] += len(r["pages"])
         a[3] += int(r["tokens"])
         a[4] += 1
+        a[5] += int(r["bytes"]) > 0
     return {
-        s: {l: LayerLoad(int(a[0]), int(a[1]), int(a[2]), a[3] / a[4]) for l, a in layers.items()}
+        s: {l: LayerLoad(int(a[0]), int(a[1]), int(a[2]), a[3] / a[4], int(a[5])) for l, a in layers.items()}
         for s, layers in acc.items()
     }
 

@@ -64,10 +64,12 @@ class SweepSpec:
     threads: tuple[int, ...]
     variants: tuple[str, ...]
     reuse: int = 4
+    impl: str = "runtime"
+    dense_layers: int = 2
 
     @classmethod
     def from_strings(cls, *, hardware: str, models: str, contexts: str, budgets: str, page_sizes: str, threads: str,
-                     variants: str, reuse: int = 4) -> "SweepSpec":
+                     variants: str, reuse: int = 4, impl: str = "runtime", dense_layers: int = 2) -> "SweepSpec":
         def ints(s: str) -> tuple[int, ...]:
             return tuple(parse_tokens(x) for x in str(s).split(",") if x.strip())
 
@@ -79,6 +81,7 @@ class SweepSpec:
             models=tuple(get_shape(m).name for m in names(models)),
             contexts=tuple(parse_contexts(contexts)),
             budgets=ints(budgets), page_sizes=ints(page_sizes), threads=ints(threads), variants=names(variants), reuse=reuse,
+            impl=impl, dense_layers=dense_layers,
         )
         for v in spec.variants:
             if v not in VARIANTS:
@@ -94,16 +97,17 @@ class SweepSpec:
             for m in self.models:
                 for n in self.contexts:
                     for v in self.variants:
+                        common = dict(reuse=self.reuse, impl=self.impl, dense_layers=self.dense_layers)
                         if v == "full":
                             out.append(SimConfig(m, hw, v, n, budget=min(self.budgets[0], n), page_size=self.page_sizes[0],
-                                                 threads=self.threads[0], reuse=self.reuse))
+                                                 threads=self.threads[0], **common))
                             continue
                         for b in self.budgets:
                             if b > n:
                                 continue
                             for p in self.page_sizes:
                                 for t in self.threads:
-                                    out.append(SimConfig(m, hw, v, n, budget=b, page_size=p, threads=t, reuse=self.reuse))
+                                    out.append(SimConfig(m, hw, v, n, budget=b, page_size=p, threads=t, **common))
         return out
 
 
@@ -280,11 +284,11 @@ def crossover_report(args: Any) -> str:
     hit = load_hit_model(args.hit, args.extrapolation) if args.hit else None
     sim = Simulator(profile, hit, args.extrapolation)
     cfg = SimConfig(get_shape(args.model).name, canonical_hardware(args.hardware), args.variant, 100_000, budget=args.budget,
-                    page_size=args.page_size, threads=args.threads, reuse=args.reuse)
+                    page_size=args.page_size, threads=args.threads, reuse=args.reuse, impl=getattr(args, "impl", "paper"))
     cr = crossings(sim, cfg)
     x = find_crossover(sim, cfg)
     lines = [f"{cfg.variant} vs full KV on {cfg.hardware} / {cfg.model} (budget {cfg.budget}, page {cfg.page_size}, "
-             f"{cfg.threads} threads, reuse {cfg.reuse}): becomes faster at {_fmt_tokens(x)}; all swaps in 1k..4M: "
+             f"{cfg.threads} threads, reuse {cfg.reuse}, {cfg.impl} implementation): becomes faster at {_fmt_tokens(x)}; all swaps in 1k..4M: "
              + (", ".join(f"{d} at {_fmt_tokens(t)}" for t, d in cr) or "none")]
     lines += ["", "| context | full TPOT ms | variant TPOT ms | select | insert | load (gather+copy+scatter) | attend | compute |",
               "|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -292,8 +296,8 @@ def crossover_report(args: Any) -> str:
         f = sim.run(cfg.replace(context=n, variant="full"), with_prefill=False)
         v = sim.run(cfg.replace(context=n), with_prefill=False)
         st = v.stages
-        lines.append(f"| {n / 1000:.0f}k | {f.tpot_s * 1e3:.1f} | {v.tpot_s * 1e3:.1f} | {st['select'] * 1e3:.1f} | {st['insert'] * 1e3:.1f} | "
-                     f"{(st['gather'] + st['copy'] + st['scatter']) * 1e3:.1f} | {st['attend'] * 1e3:.1f} | {st['compute'] * 1e3:.1f} |")
+        lines.append(f"| {n / 1000:.0f}k | {f.tpot_s * 1e3:.1f} | {v.tpot_s * 1e3:.1f} | {st['select'] * 1e3:.1f} | {(st['insert'] + st['prefetch']) * 1e3:.1f} | "
+                     f"{(st['gather'] + st['copy'] + st['scatter']) * 1e3:.1f} | {(st['attend'] + st['dense_attend']) * 1e3:.1f} | {st['compute'] * 1e3:.1f} |")
     v = sim.run(cfg.replace(context=200_000), with_prefill=False)
     lines += ["", f"hit source: {v.hit_source}; notes at 200k: {'; '.join(sorted(set(v.notes))) or 'none'}"]
     costs = sim.costs(cfg.hardware)
@@ -400,7 +404,7 @@ def write_plots(rows: Sequence[dict[str, Any]], spec: SweepSpec, out_dir: Path) 
     h, m = pairs[0]
     ctxs = sorted(spec.contexts)
     pick = sorted({ctxs[0], ctxs[len(ctxs) // 2], ctxs[-1]})
-    stages = ("select", "gather", "copy", "scatter", "attend", "compute", "insert", "other")
+    from icecache.sim.model import STAGES as stages
     fig, axes = plt.subplots(1, len(pick), figsize=(4.5 * len(pick), 4), squeeze=False)
     for ax, n in zip(axes[0], pick):
         bottoms = [0.0] * len(spec.variants)
@@ -489,7 +493,9 @@ def write_markdown(rows: Sequence[dict[str, Any]], spec: SweepSpec, out: Path, *
               f"- {scaled} rows scale host-side costs measured on the embedded model to another model's shape "
               "(queries per select x head width; column `shape_scaled`).",
               "- OOM: full KV plus weights exceed the device memory; its TPOT is what it would be if it fit.",
-              "- Busy times per stage can sum to more than TPOT where stages overlap (icecache-r prefetch).", ""]
+              f"- Implementation modelled: `{spec.impl}` (icecache.sim.model docstring); dense layers: the global layers below {spec.dense_layers}.",
+              "- Busy times per stage can sum to more than TPOT where stages overlap (background inserts, the paper's "
+              "icecache-r early loads).", ""]
     if plots:
         lines += ["## Plots", ""] + [f"![{q.stem}]({q.name})" for q in plots] + [""]
     out.write_text("\n".join(lines))
@@ -553,7 +559,7 @@ def paper_report(args: Any) -> str:
     hit = load_hit_model(args.hit, args.extrapolation) if args.hit else None
     sim = Simulator(profile, hit, args.extrapolation)
     cfg = SimConfig(a.model, a.hardware, "icecache", a.context, budget=a.budget, page_size=a.page_size, threads=a.threads,
-                    dense_layers=a.dense_layers, new_tokens=1)
+                    dense_layers=a.dense_layers, new_tokens=1, impl="paper")
     for v, label in (("icecache", "predicted from the profiles"), ("icecache-r", f"predicted, reuse r={cfg.reuse}")):
         res = sim.run(cfg.replace(variant=v))
         c = res.components()
@@ -566,3 +572,96 @@ def paper_report(args: Any) -> str:
               "time, so the predicted DCI column matches it by construction; every other column is a prediction).",
               f"Hit-rate source: {res.hit_source}.", ""]
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------- projection
+def projection(args: Any) -> tuple[list[dict[str, Any]], str, list[Path]]:
+    """The ``project`` command: TPOT vs context of a few variants for one model on one machine, written as
+    ``<out>.csv``, ``<out>.md`` and ``<out>.png``. Returns (rows, Markdown, written paths)."""
+    import shlex
+    import sys
+
+    from icecache.sim.hitrate import load_hit_model
+
+    profile = load_profile_arg(args)
+    hit = load_hit_model(args.hit, args.extrapolation) if args.hit else None
+    sim = Simulator(profile, hit, args.extrapolation)
+    from icecache.sim.__main__ import _dense_layers
+
+    contexts = parse_contexts(args.context)
+    variants = [v.strip() for v in str(args.variants).split(",") if v.strip()]
+    shape = get_shape(args.model)
+    base = dict(model=shape.name, hardware=canonical_hardware(args.hardware), budget=args.budget, page_size=args.page_size,
+                sink=args.sink, window=args.window, threads=args.threads, dense_layers=_dense_layers(args.dense_layers),
+                reuse=args.reuse, impl=args.impl, new_tokens=args.new_tokens)
+    t0 = time.perf_counter()
+    rows = []
+    for v in variants:
+        for n in contexts:
+            rows.append(sim.run(SimConfig(variant=v, context=n, **{**base, "budget": min(args.budget, n)})).to_row())
+    wall = time.perf_counter() - t0
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    csv_path = write_csv(rows, out.with_suffix(".csv"))
+    cmd = "python -m icecache.sim " + " ".join(shlex.quote(a) for a in (args.argv if getattr(args, "argv", None) is not None else sys.argv[1:]))
+    by = {(r["variant"], r["context"]): r for r in rows}
+    xs = crossovers([dict(r, budget=r["budget"] if r["variant"] != "full" else 0) for r in rows])
+    lines = [f"# Simulator projection: {shape.name} on {base['hardware']}", "",
+             f"Command: `{cmd}` ({len(rows)} configurations, {wall:.1f} s).", "",
+             f"Model: {shape.layers} layers, {shape.num_sliding} sliding-window layers of {shape.sliding_window} tokens, "
+             f"global layers {list(shape.global_layers)}; {shape.q_heads} query / {shape.kv_heads} KV heads of {shape.head_dim}. "
+             f"Source: {shape.source}.", "",
+             f"IceCache: budget {args.budget}, page {args.page_size}, sink {args.sink}, window {args.window}, dense layers "
+             f"{args.dense_layers}, {args.threads} threads, `{args.impl}` implementation; {args.new_tokens} new tokens.", "",
+             "TPOT (steady) is one decode step at the mean decode context; TPOT (runtime) is how the runtime reports it, "
+             "(end - TTFT) / (new tokens - 1), which includes the first decode step (it waits for the index builds).", "",
+             "| context | " + " | ".join(f"{v} TPOT steady ms | {v} TPOT runtime ms | {v} TT2T s" for v in variants) + " |",
+             "|---:|" + "---:|---:|---:|" * len(variants)]
+    for n in contexts:
+        cells = []
+        for v in variants:
+            r = by[(v, n)]
+            cells += [f"{r['tpot_s'] * 1e3:.1f}", f"{r['tpot_mean_s'] * 1e3:.1f}", f"{r['tt2t_s']:.2f}"]
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    lines.append("")
+    for x in xs:
+        c = x["crossover_tokens"]
+        txt = (f"at about {c:.0f} tokens" if math.isfinite(c) else ("already at the smallest context" if c < 0 else "not within the grid"))
+        lines.append(f"- {x['variant']} becomes faster than full KV (steady TPOT): {txt}.")
+    sample = rows[-1]
+    stage_txt = ", ".join(f"{k[6:-2]} {float(sample[k]) * 1e3:.2f}" for k in sample if k.startswith("stage_") and float(sample[k]) > 0)
+    lines += ["", f"Busy ms per step of {sample['variant']} at {sample['context']} tokens: {stage_txt}.", "",
+              "Caveats:", ""]
+    notes = sorted({nt for r in rows for nt in str(r["notes"]).split(" | ") if nt})
+    ext = sum(1 for r in rows if r["extrapolated"])
+    lines += [f"- {ext} of {len(rows)} rows use a predictor or the hit model outside its measured range; every row's "
+              "notes are in the CSV. Distinct notes:"] + [f"  - {nt}" for nt in notes] + [""]
+    md_path = out.with_suffix(".md")
+    paths = [csv_path, md_path]
+    if not getattr(args, "no_plots", False):
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6.5, 4.2))
+        for v in variants:
+            rs = sorted((r for r in rows if r["variant"] == v), key=lambda r: r["context"])
+            line, = ax.plot([r["context"] / 1000 for r in rs], [r["tpot_s"] * 1e3 for r in rs], marker="o", ms=3, label=f"{v} (steady)")
+            ax.plot([r["context"] / 1000 for r in rs], [r["tpot_mean_s"] * 1e3 for r in rs], ls="--", color=line.get_color(),
+                    label=f"{v} (runtime TPOT)")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context (k tokens)")
+        ax.set_ylabel("TPOT (ms)")
+        ax.set_title(f"simulated {shape.name} on {base['hardware']}\nbudget {args.budget}, page {args.page_size}, "
+                     f"{args.threads} threads, dense layers {args.dense_layers}", fontsize=8)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        png = out.with_suffix(".png")
+        fig.savefig(png, dpi=120)
+        plt.close(fig)
+        paths.append(png)
+        lines += [f"![TPOT vs context]({png.name})", ""]
+    md = "\n".join(lines)
+    md_path.write_text(md)
+    return rows, md, paths

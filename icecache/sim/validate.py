@@ -33,11 +33,13 @@ from icecache.sim.hitrate import HitModel, HitStats, PriorHitModel
 from icecache.sim.model import SimConfig, SimResult
 
 RUNTIME_STAGES: tuple[str, ...] = ("select", "gather", "copy", "scatter", "attend", "insert", "other")
-#: simulator stages summed into each runtime stage (the runtime books projections/MLP/LM head as "other")
-STAGE_MAP: dict[str, tuple[str, ...]] = {
-    "select": ("select",), "gather": ("gather",), "copy": ("copy",), "scatter": ("scatter",), "attend": ("attend",),
-    "insert": ("insert",), "other": ("compute", "other"),
-}
+#: Simulator stages summed into each runtime stage. The runtime's timers (`icecache.runtime.timing.StageTimer`)
+#: cover only the sparse layers' own work: select (the pager queries on the caller's thread), gather / copy /
+#: scatter / other (inside `BulkLoader.load`; "other" is its residency bookkeeping), attend (SDPA over the
+#: layer's device buffer) and insert (the synchronous window insert of `_decode_append`). Projections, MLP, LM
+#: head and the attention of dense and sliding layers (simulator stages compute and dense_attend) and the
+#: prefetched inserts on the worker pool (prefetch) are in no runtime stage, only in TPOT.
+STAGE_MAP: dict[str, tuple[str, ...]] = {s: (s,) for s in RUNTIME_STAGES}
 REQUIRED: tuple[str, ...] = ("variant", "model", "context", "budget", "page_size", "threads", "new_tokens", "tpot_s",
                              "tt2t_s", "ttft_s", "stage_seconds", "hardware")
 TARGETS = {"mape": 0.15, "abs_bias": 0.05, "kendall_tau": 0.8}
@@ -89,7 +91,8 @@ class MeasuredRun:
             model=self.model, hardware=self.hardware, variant=self.variant, context=self.context,
             budget=min(self.budget, self.context), page_size=self.page_size, threads=self.threads, new_tokens=self.new_tokens,
         )
-        for src, dst in (("reuse_every", "reuse"), ("dense_layers", "dense_layers"), ("sink", "sink"), ("window", "window"), ("pager", "pager")):
+        for src, dst in (("reuse_every", "reuse"), ("dense_layers", "dense_layers"), ("sink", "sink"), ("window", "window"), ("pager", "pager"),
+                         ("trace", "trace")):
             if src in self.extra:
                 v = self.extra[src]
                 kw[dst] = len(v) if dst == "dense_layers" and isinstance(v, (list, tuple)) else v
@@ -143,12 +146,41 @@ def measured_bytes_per_step(run: MeasuredRun) -> float | None:
 
 
 def runtime_stages(res: SimResult) -> dict[str, float]:
-    """Simulator stages summed into the runtime's stage names (`STAGE_MAP`)."""
-    return {k: sum(res.stages.get(s, 0.0) for s in v) for k, v in STAGE_MAP.items()}
+    """Simulator stages summed into the runtime's stage names (`STAGE_MAP`), as the runtime's timers would read
+    them (`SimResult.stage_timed`: waits for a CPU held by background work included)."""
+    src = res.stage_timed or res.stages
+    return {k: sum(src.get(s, 0.0) for s in v) for k, v in STAGE_MAP.items()}
 
 
-def predict_runs(runs: Sequence[MeasuredRun], sim: Any, hit: HitModel | None = None) -> list[Prediction]:
-    """Simulate every run's configuration (``sim``: `icecache.sim.sweep.Simulator`)."""
+def run_key(d: dict[str, Any]) -> tuple[str, int, int, int, int]:
+    """(variant, context, budget, page size, threads) of a run or of a trace's meta."""
+    return (str(d.get("variant")), int(d.get("context", -1)), int(d.get("budget", -1)), int(d.get("page_size", -1)), int(d.get("threads", -1)))
+
+
+def _trace_key(p: Path) -> tuple[str, int, int, int, int] | None:
+    with p.open() as fh:
+        first = json.loads(fh.readline() or "{}")
+    return run_key(first["meta"]) if "meta" in first else None
+
+
+def traced_keys(paths: Sequence[str | Path]) -> set[tuple[str, int, int, int, int]]:
+    """`run_key` of every trace file's meta line among ``paths`` (``.jsonl``): the runs that recorded a trace."""
+    keys = set()
+    for p in paths:
+        p = Path(p)
+        if p.suffix != ".jsonl" or not p.is_file():
+            continue
+        with p.open() as fh:
+            first = json.loads(fh.readline() or "{}")
+        if "meta" in first:
+            keys.add(run_key(first["meta"]))
+    return keys
+
+
+def predict_runs(runs: Sequence[MeasuredRun], sim: Any, hit: HitModel | None = None,
+                 traced: set[tuple[str, int, int, int, int]] | None = None) -> list[Prediction]:
+    """Simulate every run's configuration (``sim``: `icecache.sim.sweep.Simulator`). A run recorded a selection
+    trace when its row says so (``trace``) or its `run_key` is in ``traced``."""
     out = []
     base = hit or sim.hit or PriorHitModel()
     for r in runs:
@@ -156,8 +188,10 @@ def predict_runs(runs: Sequence[MeasuredRun], sim: Any, hit: HitModel | None = N
         model = _RunHit(base, float(rate)) if rate is not None else base
         from icecache.sim.model import simulate
 
-        res = simulate(r.config(), sim.costs(r.hardware), model)
-        out.append(Prediction(res.tpot_s, res.tt2t_s, res.ttft_s, runtime_stages(res), res.bytes_per_step))
+        over = {} if "trace" in r.extra or traced is None else {"trace": run_key(r.to_dict()) in traced and r.variant != "full"}
+        res = simulate(r.config(**over), sim.costs(r.hardware), model)
+        # the runtime's TPOT is (end - TTFT) / (new tokens - 1): it includes the first decode step
+        out.append(Prediction(res.tpot_mean_s, res.tt2t_s, res.ttft_s, runtime_stages(res), res.bytes_per_step))
     return out
 
 
@@ -244,6 +278,7 @@ class ValidationReport:
     tau_raw: float
     tau_corrected: float
     rows: list[dict[str, Any]]
+    notes: list[str] = field(default_factory=list)
 
     def passes(self, which: str = "corrected") -> dict[str, bool]:
         m = getattr(self, which)
@@ -266,7 +301,9 @@ class ValidationReport:
             return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x * 100:+.1f}%"
 
         lines = ["# Simulator validation against measured runs", "",
-                 f"Hold-out rule `{self.rule}`: {self.n_calibration} calibration runs, {self.n_test} scored runs.", "",
+                 f"Hold-out rule `{self.rule}`: {self.n_calibration} calibration runs, {self.n_test} scored runs.", ""]
+        lines += [f"- {n}" for n in self.notes] + ([""] if self.notes else [])
+        lines += [
                  "| metric | raw MAPE | raw bias | corrected MAPE | corrected bias | n |", "|---|---:|---:|---:|---:|---:|"]
         for k in self.raw:
             r, c = self.raw[k], self.corrected[k]
@@ -274,8 +311,20 @@ class ValidationReport:
         lines += ["", f"Kendall tau (TPOT ranking of scored configurations): raw {self.tau_raw:.3f}, corrected {self.tau_corrected:.3f}", "",
                   "Stage corrections (measured / predicted on the calibration runs): "
                   + ", ".join(f"{k} x{v:.2f}" for k, v in self.corrections.stage_factors.items())
-                  + f"; prefill x{self.corrections.prefill_factor:.2f}", "", "Targets (corrected):"]
-        lines += [f"- {k}: {'pass' if v else 'FAIL'}" for k, v in self.passes("corrected").items()]
+                  + f"; prefill x{self.corrections.prefill_factor:.2f}", ""]
+        for which in ("raw", "corrected"):
+            lines += [f"Targets ({which}): " + ", ".join(f"{k} {'pass' if v else 'FAIL'}" for k, v in self.passes(which).items()), ""]
+        lines += ["Per variant (scored runs): TPOT / TT2T MAPE and bias, raw -> corrected", "",
+                  "| variant | n | TPOT MAPE | TPOT bias | TT2T MAPE | TT2T bias |", "|---|---:|---:|---:|---:|---:|"]
+        for v in sorted({r["variant"] for r in self.rows}):
+            rs = [r for r in self.rows if r["variant"] == v]
+            cells = []
+            for m in ("tpot", "tt2t"):
+                a = error_stats([r[f"{m}_raw"] for r in rs], [r[f"{m}_meas"] for r in rs])
+                b = error_stats([r[f"{m}_corr"] for r in rs], [r[f"{m}_meas"] for r in rs])
+                cells += [f"{pct(a['mape']).lstrip('+')} -> {pct(b['mape']).lstrip('+')}", f"{pct(a['bias'])} -> {pct(b['bias'])}"]
+            lines.append(f"| {v} | {len(rs)} | " + " | ".join(cells) + " |")
+        lines.append("")
         lines += ["", "| variant | context | budget | page | threads | TPOT meas ms | raw | corrected | TT2T meas s | raw | corrected |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in self.rows:
@@ -286,9 +335,10 @@ class ValidationReport:
         return "\n".join(lines) + "\n"
 
 
-def validate(runs: Sequence[MeasuredRun], sim: Any, rule: str = "context", seed: int = 0, hit: HitModel | None = None) -> ValidationReport:
+def validate(runs: Sequence[MeasuredRun], sim: Any, rule: str = "context", seed: int = 0, hit: HitModel | None = None,
+             traced: set[tuple[str, int, int, int, int]] | None = None) -> ValidationReport:
     """Predict ``runs``, fit corrections on the calibration split, score the held-out split."""
-    preds = predict_runs(runs, sim, hit)
+    preds = predict_runs(runs, sim, hit, traced)
     cal, test = split_runs(runs, rule, seed)
     corr = fit_corrections([preds[i] for i in cal], [runs[i] for i in cal]) if cal else Corrections({s: 1.0 for s in RUNTIME_STAGES})
     fixed = [corr.apply(p) for p in preds]
@@ -327,16 +377,17 @@ def synthetic_runs(
     """Measured runs made from the simulator itself with known distortions (for testing `validate`).
 
     Each runtime stage is multiplied by ``stage_factors[stage]`` and by log-normal noise of relative size
-    ``noise``; TPOT is the sum of the stages, TT2T the distorted prefill plus TPOT.
+    ``noise``; TPOT is the simulated one (`SimResult.tpot_mean_s`, as the runtime defines it) plus the
+    stages' changes, TT2T the distorted prefill plus TPOT.
     """
     rng = random.Random(seed)
     out = []
     for cfg in configs:
         res = sim.run(cfg)
-        st = runtime_stages(res)
-        st = {k: v * (stage_factors or {}).get(k, 1.0) * math.exp(rng.gauss(0.0, noise)) for k, v in st.items()}
-        tpot = sum(st.values())
-        pre = (res.tt2t_s - res.tpot_s) * prefill_factor * math.exp(rng.gauss(0.0, noise))
+        st0 = runtime_stages(res)
+        st = {k: v * (stage_factors or {}).get(k, 1.0) * math.exp(rng.gauss(0.0, noise)) for k, v in st0.items()}
+        tpot = res.tpot_mean_s + sum(st[k] - st0[k] for k in st)
+        pre = (res.tt2t_s - res.tpot_mean_s) * prefill_factor * math.exp(rng.gauss(0.0, noise))
         out.append(MeasuredRun(
             variant=cfg.variant, model=cfg.model, context=cfg.context, budget=cfg.budget, page_size=cfg.page_size,
             threads=cfg.threads, new_tokens=cfg.new_tokens, tpot_s=tpot, tt2t_s=pre + tpot,
@@ -354,9 +405,26 @@ def run_validate_cli(args: Any) -> int:
 
     runs = read_runs(args.runs)
     profile = load_profile_arg(args)
-    hit = load_hit_model(args.hit, args.extrapolation) if args.hit else None
+    hit_paths = [Path(p) for p in (args.hit or [])]
+    traces = [p for p in hit_paths if p.suffix == ".jsonl"]
+    hit_note = ""
+    if traces:
+        # the hit model (fill, budget use; each run's measured page reuse replaces its hit rate) is fitted to the
+        # traces of the calibration runs only, so no number of a scored run enters a prediction
+        cal, _ = split_runs(runs, args.holdout)
+        cal_keys = {run_key(runs[i].to_dict()) for i in cal}
+        keep = [p for p in traces if _trace_key(p) in cal_keys] or traces
+        hit_note = (f"hit model: fitted to {len(keep)} of {len(traces)} traces" +
+                    (" (those of the calibration runs)" if len(keep) < len(traces) else " (no calibration run has a trace: all used)"))
+        hit = load_hit_model(keep + [p for p in hit_paths if p.suffix != ".jsonl"], args.extrapolation)
+    else:
+        hit = load_hit_model(hit_paths, args.extrapolation) if hit_paths else None
     sim = Simulator(profile, hit, args.extrapolation)
-    report = validate(runs, sim, args.holdout)
+    report = validate(runs, sim, args.holdout, traced=traced_keys(traces))
+    import shlex
+
+    cmd = "python -m icecache.sim " + " ".join(shlex.quote(a) for a in (getattr(args, "argv", None) or []))
+    report.notes = [n for n in (f"command: `{cmd}`", hit_note) if n]
     md = report.to_markdown()
     print(md)
     if args.out:
