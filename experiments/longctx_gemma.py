@@ -18,12 +18,13 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import icecache  # noqa: E402
 from icecache import IceCache, IceCacheConfig  # noqa: E402
-from icecache.eval.harness import attention_impl, clone_kv, run_prefill  # noqa: E402
+from icecache.eval.harness import attention_impl, run_prefill  # noqa: E402
 from icecache.eval.tasks import text_window  # noqa: E402
 from icecache.runtime.attention import ATTENTION_NAME  # noqa: E402
 
@@ -71,8 +72,10 @@ def main() -> int:
         variants = [("full", None)] + [(v, IceCacheConfig(index=v.split("@")[0], budget=int(v.split("@")[1]), dense_layers=()))
                                        for v in args.variants.split(",")]
         for name, cfg in variants:
-            if cfg is None:
-                cache = clone_kv(pre.kv)
+            if cfg is None:  # the model's own cache: sliding layers keep their window, global layers everything
+                cache = DynamicCache(config=model.config)
+                for i, layer in enumerate(pre.kv.layers):
+                    cache.update(layer.keys, layer.values, i)
             else:
                 cache = IceCache(model.config, cfg).load_prefill(pre.kv)
             times = decode_steps(model, cache, first, args.steps)

@@ -50,6 +50,12 @@ def test_trace_file_round_trip_and_meta(tmp_path):
     with pytest.raises(ConfigError, match="budget"):
         summarize_trace(read_trace(tmp_path / "raw.jsonl"))
     assert summarize_trace(read_trace(tmp_path / "raw.jsonl", meta={"budget": 64, "page_size": 8, "context": 1000})).budget == 64
+    # gzipped traces (how experiments/sim/traces are committed) read the same
+    import gzip
+
+    with gzip.open(tmp_path / "t.jsonl.gz", "wt") as fh:
+        fh.write(p.read_text())
+    assert read_trace(tmp_path / "t.jsonl.gz").records == tr.records
 
 
 @pytest.mark.parametrize(

@@ -17,8 +17,10 @@ step (cumulative stats divided by ``steps``). Each configuration is measured aft
 from __future__ import annotations
 
 import argparse
+import gzip
 import itertools
 import json
+import shutil
 import statistics
 import sys
 import time
@@ -134,6 +136,10 @@ def main(argv: list[str] | None = None) -> int:
             if len(reps) > 1:
                 med["repeats_tpot_s"] = [r["tpot_s"] for r in reps]
                 med["repeats_tt2t_s"] = [r["tt2t_s"] for r in reps]
+            if trace is not None and trace.is_file():  # commit-sized: traces compress ~8x
+                with trace.open("rb") as src, gzip.open(trace.with_name(trace.name + ".gz"), "wb") as dst:
+                    shutil.copyfileobj(src, dst)
+                trace.unlink()
             fh.write(json.dumps(med) + "\n")
             fh.flush()
             print(f"[{i + 1}/{len(grid)}] {v} n={c} B={b} P={p} T={t}: TPOT {med['tpot_s'] * 1e3:.1f} ms, "

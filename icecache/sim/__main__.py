@@ -47,7 +47,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--extrapolation", choices=("refuse", "warn", "allow"), default="allow",
                    help="outside the measured ranges: refuse, warn, or go on silently (always noted per row)")
     p.add_argument("--hit", nargs="+", action="extend", default=[],
-                   help="hit-rate source: a fitted hit model (.json) or selection traces (.jsonl, several); default: prior")
+                   help="hit-rate source: a fitted hit model (.json) or selection traces (.jsonl or .jsonl.gz, several); default: prior")
     p.add_argument("--strict-profile", action="store_true", help="fail when the profile was measured on another stack")
 
 

@@ -26,6 +26,7 @@ page copied every step: an upper bound on bytes).
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import math
 from dataclasses import dataclass, field
@@ -109,14 +110,25 @@ def check_record(rec: dict[str, Any], where: str = "") -> dict[str, Any]:
     return rec
 
 
+def is_trace_path(path: str | Path) -> bool:
+    """Whether ``path`` names a selection trace: JSON lines, plain (``.jsonl``) or gzipped (``.jsonl.gz``)."""
+    return str(path).endswith((".jsonl", ".jsonl.gz"))
+
+
+def open_trace(path: str | Path):
+    """Open a trace file for reading text, gzipped or not."""
+    p = Path(path)
+    return gzip.open(p, "rt") if p.suffix == ".gz" else p.open()
+
+
 def read_trace(path: str | Path, meta: dict[str, Any] | None = None) -> Trace:
-    """Read a JSON-lines trace (optional ``{"meta": ...}`` first line; ``meta`` overrides/fills it)."""
+    """Read a JSON-lines trace (``.jsonl`` or ``.jsonl.gz`` (optional ``{"meta": ...}`` first line; ``meta`` overrides/fills it)."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"no trace file at {p}")
     records: list[dict[str, Any]] = []
     head: dict[str, Any] = {}
-    with p.open() as fh:
+    with open_trace(p) as fh:
         for i, line in enumerate(fh):
             line = line.strip()
             if not line:
@@ -388,7 +400,7 @@ class ParametricHitModel:
 
 
 def load_hit_model(paths: Sequence[str | Path], extrapolation: str = "warn") -> HitModel:
-    """A hit model from files: a fitted model (``.json``) or trace files (``.jsonl``, fitted here)."""
+    """A hit model from files: a fitted model (``.json``) or trace files (``.jsonl[.gz]``, fitted here)."""
     paths = [Path(p) for p in paths]
     if not paths:
         return PriorHitModel()

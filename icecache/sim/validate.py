@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from icecache.core.errors import ConfigError, InputError
-from icecache.sim.hitrate import HitModel, HitStats, PriorHitModel
+from icecache.sim.hitrate import HitModel, HitStats, PriorHitModel, is_trace_path, open_trace
 from icecache.sim.model import SimConfig, SimResult
 
 RUNTIME_STAGES: tuple[str, ...] = ("select", "gather", "copy", "scatter", "attend", "insert", "other")
@@ -158,7 +158,7 @@ def run_key(d: dict[str, Any]) -> tuple[str, int, int, int, int]:
 
 
 def _trace_key(p: Path) -> tuple[str, int, int, int, int] | None:
-    with p.open() as fh:
+    with open_trace(p) as fh:
         first = json.loads(fh.readline() or "{}")
     return run_key(first["meta"]) if "meta" in first else None
 
@@ -168,9 +168,9 @@ def traced_keys(paths: Sequence[str | Path]) -> set[tuple[str, int, int, int, in
     keys = set()
     for p in paths:
         p = Path(p)
-        if p.suffix != ".jsonl" or not p.is_file():
+        if not is_trace_path(p) or not p.is_file():
             continue
-        with p.open() as fh:
+        with open_trace(p) as fh:
             first = json.loads(fh.readline() or "{}")
         if "meta" in first:
             keys.add(run_key(first["meta"]))
@@ -406,7 +406,7 @@ def run_validate_cli(args: Any) -> int:
     runs = read_runs(args.runs)
     profile = load_profile_arg(args)
     hit_paths = [Path(p) for p in (args.hit or [])]
-    traces = [p for p in hit_paths if p.suffix == ".jsonl"]
+    traces = [p for p in hit_paths if is_trace_path(p)]
     hit_note = ""
     if traces:
         # the hit model (fill, budget use; each run's measured page reuse replaces its hit rate) is fitted to the
@@ -416,14 +416,20 @@ def run_validate_cli(args: Any) -> int:
         keep = [p for p in traces if _trace_key(p) in cal_keys] or traces
         hit_note = (f"hit model: fitted to {len(keep)} of {len(traces)} traces" +
                     (" (those of the calibration runs)" if len(keep) < len(traces) else " (no calibration run has a trace: all used)"))
-        hit = load_hit_model(keep + [p for p in hit_paths if p.suffix != ".jsonl"], args.extrapolation)
+        hit = load_hit_model(keep + [p for p in hit_paths if not is_trace_path(p)], args.extrapolation)
     else:
         hit = load_hit_model(hit_paths, args.extrapolation) if hit_paths else None
     sim = Simulator(profile, hit, args.extrapolation)
     report = validate(runs, sim, args.holdout, traced=traced_keys(traces))
     import shlex
 
-    cmd = "python -m icecache.sim " + " ".join(shlex.quote(a) for a in (getattr(args, "argv", None) or []))
+    argv = list(getattr(args, "argv", None) or [])
+    shown = [a for a in argv if not is_trace_path(a) or a == args.runs]
+    if len(shown) < len(argv):  # many trace files (a shell glob): name their folders, not every file
+        globs = sorted({f"{Path(a).parent}/*{''.join(Path(a).suffixes[-2:])}" for a in argv if is_trace_path(a) and a != args.runs})
+        at = shown.index("--hit") + 1 if "--hit" in shown else len(shown)
+        shown[at:at] = globs
+    cmd = "python -m icecache.sim " + " ".join(a if "*" in a else shlex.quote(a) for a in shown)
     report.notes = [n for n in (f"command: `{cmd}`", hit_note) if n]
     md = report.to_markdown()
     print(md)
