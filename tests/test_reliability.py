@@ -122,14 +122,15 @@ def test_corrupt_cached_copy_is_rebuilt(tmp_path, monkeypatch, smollm2):
     dst = tmp_path / "cache" / "models" / src_entries[0].parent.name
     shutil.copytree(src_entries[0].parent, dst)  # start from a good copy (saves a conversion) ...
     weights = next(dst.glob("*.safetensors"))
+    good_size = weights.stat().st_size
     with open(weights, "r+b") as f:  # ... then damage it as a crash mid-copy or a full disk would
-        f.truncate(weights.stat().st_size // 3)
+        f.truncate(good_size // 3)
     with pytest.warns(UserWarning, match="rebuilding it"):
         model, tok = icecache.load_model()
     assert model.config.num_hidden_layers == 30
     assert not list((tmp_path / "cache" / "models").glob(".*tmp*")), "temporary conversion left behind"
     meta = json.loads((dst / "icecache.json").read_text())
-    assert meta["sha256"] and next(dst.glob("*.safetensors")).stat().st_size > weights.stat().st_size * 0  # rebuilt
+    assert meta["sha256"] and next(dst.glob("*.safetensors")).stat().st_size == good_size  # rebuilt whole
 
 
 # ------------------------------------------------------------------------------------------ determinism
@@ -269,3 +270,35 @@ def test_soak_short_tiny_model():
         report = soak(model, IceCacheConfig(index=name, budget=24, page_size=4, sink=4, window=16, dense_layers=(0,)),
                       prompt_tokens=150, new_tokens=250, checkpoint_every=100)
         assert report["device_bytes_constant"] and report["host_growth_exact"] and report["conservation_checks"] >= 2
+
+
+# ------------------------------------------------------------------------------------------ soak (full, slow)
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(
+    reason="hnsw pager memory grew ~40 KB per token in the 20k soak (experiments/reliability.md); under investigation",
+    strict=False)) if n == "hnsw" else n for n in PAGERS])
+def test_soak_20k_tokens_tiny_model(name):
+    """The issue's soak: 20k tokens past a 1k prompt with every pager; host K checked against a full cache."""
+    from icecache.eval.soak import soak
+
+    model = make_tiny_llama(seed=0, max_position_embeddings=1 << 16)
+    r = soak(model, IceCacheConfig(index=name, budget=64, page_size=8, sink=4, window=32, dense_layers=(0,)),
+             prompt_tokens=1024, new_tokens=20_000, checkpoint_every=2_000, verify_host=True)
+    assert r["device_bytes_constant"] and r["host_growth_exact"]
+    assert r["conservation_checks"] == 10 and r["host_checks"] == 10
+    assert r["threads_end"] <= r["threads_start"]
+    assert r["rss_slope_bytes_per_step"] < 4 * r["host_bytes_per_step"] + 4096  # host KV growth, not a leak
+
+
+@pytest.mark.slow
+def test_soak_20k_tokens_embedded_model(smollm2):
+    """20k tokens past a 4k real-text prompt on SmolLM2 with M-DCI (~30 min on 2 cores)."""
+    from icecache.eval.soak import soak
+    from icecache.eval.tasks import text_window
+
+    model, tok = smollm2
+    ids = torch.tensor([text_window(tok, 4000, seed=7)])
+    r = soak(model, IceCacheConfig(index="mdci", budget=256), prompt_tokens=4000, new_tokens=20_000, input_ids=ids,
+             checkpoint_every=2_000)
+    assert r["device_bytes_constant"] and r["host_growth_exact"] and r["conservation_checks"] == 10
+    assert r["threads_end"] <= r["threads_start"]

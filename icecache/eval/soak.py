@@ -22,6 +22,11 @@ from icecache.runtime.cache import IceCache
 from icecache.runtime.generate import icecache_attention
 
 
+def _our_threads() -> int:
+    """Live threads, not counting tqdm's progress-bar monitor (started by the first bar, never by us)."""
+    return sum(1 for t in threading.enumerate() if type(t).__name__ != "TMonitor")
+
+
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -37,7 +42,7 @@ def soak(model: Any, config: IceCacheConfig, prompt_tokens: int, new_tokens: int
     if input_ids is None:
         vocab = model.config.get_text_config().vocab_size if hasattr(model.config, "get_text_config") else model.config.vocab_size
         input_ids = torch.randint(3, vocab, (1, prompt_tokens), generator=torch.Generator().manual_seed(seed))
-    threads_start = threading.active_count()
+    threads_start = _our_threads()
     rss_start = _rss_bytes()
     cache = IceCache(model.config, config)
     recorded: dict[int, list[torch.Tensor]] = {}
@@ -115,5 +120,5 @@ def soak(model: Any, config: IceCacheConfig, prompt_tokens: int, new_tokens: int
         report["rss_slope_bytes_per_step"] = float(np.polyfit(xs, ys, 1)[0])
     report["rss_start_mib"] = rss_start / 2**20
     report["rss_end_mib"] = _rss_bytes() / 2**20
-    report["threads_start"], report["threads_end"] = threads_start, threading.active_count()
+    report["threads_start"], report["threads_end"] = threads_start, _our_threads()
     return report
