@@ -21,6 +21,8 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
+from icecache.eval.harness import attention_impl
+
 CAPTURE_NAME = "icecache_capture"
 
 
@@ -85,14 +87,6 @@ def register_capture_attention() -> str:
     return CAPTURE_NAME
 
 
-@contextlib.contextmanager
-def _attn_implementation(model: Any, name: str) -> Iterator[None]:
-    old = model.config._attn_implementation
-    model.set_attn_implementation(name)
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(old)
 
 
 @contextlib.contextmanager
@@ -144,7 +138,7 @@ def capture_kv(
     pos = torch.arange(position_offset, position_offset + T).unsqueeze(0)
     _active = rec
     try:
-        with _attn_implementation(model, CAPTURE_NAME), _truncated(model, run_layers), torch.inference_mode():
+        with attention_impl(model, CAPTURE_NAME), _truncated(model, run_layers), torch.inference_mode():
             t0 = time.perf_counter()
             out = model.model(input_ids=input_ids, position_ids=pos, use_cache=keep_cache)
             rec.out.seconds = time.perf_counter() - t0
