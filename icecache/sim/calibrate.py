@@ -565,7 +565,8 @@ def measure_background_share(
     Foregrounds: a one-token decode step at ``context`` (while the background inserts keys into a ``pager`` of
     ``n_keys`` keys, as the runtime's prefetch does) and a prefill of ``prefill_tokens`` (while the background
     builds indexes, as the prefill pipeline does). ``share = (foreground time with - without) / (background
-    work done meanwhile, at its own undisturbed speed)``; alone and loaded rounds alternate.
+    work done meanwhile, at its own undisturbed speed)``; loaded and alone rounds alternate, each round of
+    ``loaded_calls`` foreground calls (``loaded_s``, ``alone_s``: wall seconds per round).
     """
     import threading
 
@@ -605,10 +606,12 @@ def measure_background_share(
         loaded: list[float] = []
         done = [0]
         busy_windows: list[float] = []
-        for _ in range(2):
-            fg()  # warm-up
+        warm = timeit(fg, 2, warmup=0)  # warm-up, and the foreground's length
+        # a loaded round runs the foreground at least ``batch`` times back to back and until the background has
+        # completed two jobs (at most 20 batches), so that a job longer than one foreground still gets counted
+        batch = max(1, math.ceil(3 * job_s / max(min(warm), 1e-6)))
+        calls: list[int] = []
         for r in range(fg_reps):
-            alone.append(timeit(fg, 1, warmup=0)[0])
             stop = threading.Event()
             done[0] = 0
 
@@ -620,17 +623,25 @@ def measure_background_share(
             th = threading.Thread(target=loop, daemon=True)
             th.start()
             time.sleep(0.002)
-            c0, t0 = done[0], time.perf_counter()
-            fg()
+            c0, t0, n = done[0], time.perf_counter(), 0
+            while n < batch or (done[0] - c0 < 2 and n < 20 * batch):
+                fg()
+                n += 1
             t1, c1 = time.perf_counter(), done[0]
             stop.set()
             th.join()
             loaded.append(t1 - t0)
+            calls.append(n)
+            t0 = time.perf_counter()  # the same number of calls alone
+            for _ in range(n):
+                fg()
+            alone.append(time.perf_counter() - t0)
             busy_windows.append((c1 - c0) * job_s)
         slow = sum(loaded) - sum(alone)
         work = sum(busy_windows)
-        out[name] = {"job_s": job_s, "alone_s": alone, "loaded_s": loaded, "background_work_s": busy_windows,
-                     "share": slow / work if work > 0 else None, "pager": pager, "n_keys": n_keys}
+        out[name] = {"job_s": job_s, "alone_s": alone, "loaded_s": loaded, "loaded_calls": calls,
+                     "background_work_s": busy_windows, "share": slow / work if work > 0 else None, "pager": pager,
+                     "n_keys": n_keys}
     return out
 
 
