@@ -703,7 +703,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     head = [f"# Index benchmark\n", f"Command: `{cmd}`  ", f"Wall time: {wall:.0f} s  ",
             f"Machine: {platform.platform()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, torch {torch.__version__}  ",
             f"Model: {model.config._name_or_path or 'embedded SmolLM2-135M-Instruct'} ({n_layers} layers, {n_q} query / {n_kv} KV heads); "
-            f"mdci parameters: {mdci_params or 'IceCache defaults'}" + (f"; variants: {', '.join(variants)}" if len(variants) > 1 else "") + "\n"]
+            f"mdci parameters: {mdci_params or 'defaults (preset wide)'}" + (f"; variants: {', '.join(variants)}" if len(variants) > 1 else "") + "\n"]
     if targets:
         report.append("\n### Targets (issue 3)\n")
         report.extend(targets)

@@ -230,11 +230,16 @@ class DCIParams:
 
     @classmethod
     def preset(cls, name: str) -> "DCIParams":
-        """``"icecache"`` (the defaults: MD as IceCache calls it) or ``"dci-knn"`` (the dci-knn wrapper
-        defaults: L = 2, m = 7, construction F = 10 with prop_to_retrieve 0.002 and no brute force,
-        query F = 100 with prop_to_retrieve 0.05; levels still from the MD schedule, disjoint)."""
+        """``"icecache"`` (the defaults: MD as IceCache calls it), ``"wide"`` (IceCache's tree with a wider,
+        exhaustive query: every token of a visited cluster scored, ``prop_to_retrieve`` 1.0, and the field of
+        view ``max(7.5e-3 n, 60)``, 5x IceCache's; the `MDCIPager` default, chosen from measurements: see
+        ``experiments/backends.md``) or ``"dci-knn"`` (the dci-knn wrapper defaults: L = 2, m = 7,
+        construction F = 10 with prop_to_retrieve 0.002 and no brute force, query F = 100 with
+        prop_to_retrieve 0.05; levels still from the MD schedule, disjoint)."""
         if name == "icecache":
             return cls()
+        if name == "wide":
+            return cls(query=SearchConfig(field_of_view=None, prop_to_retrieve=1.0), fov_scale=7.5e-3, fov_min=60)
         if name == "dci-knn":
             return cls(
                 num_comp_indices=2,
@@ -244,7 +249,7 @@ class DCIParams:
                 brute_force_threshold=0,
                 bulk_brute_force_threshold=0,
             )
-        raise ConfigError(f"unknown DCI preset {name!r}; known presets: 'icecache', 'dci-knn'")
+        raise ConfigError(f"unknown DCI preset {name!r}; known presets: 'icecache', 'wide', 'dci-knn'")
 
 
 # ---------------------------------------------------------------------------------------------- scratch

@@ -25,7 +25,9 @@ from icecache.indexes.registry import register_pager
 
 @register_pager("mdci")
 class MDCIPager(SemanticPager):
-    """M-DCI semantic pager (IceCache). Defaults are IceCache's (DCI_SPEC.md section 5, "IceCache -> MD").
+    """M-DCI semantic pager (IceCache). Defaults: the ``"wide"`` preset, IceCache's parameters (DCI_SPEC.md
+    section 5, "IceCache -> MD") with an exhaustive, 5x wider query; ``preset="icecache"`` gives the
+    published ones exactly.
 
     Parameters
     ----------
@@ -37,19 +39,23 @@ class MDCIPager(SemanticPager):
         Seed of the random projection directions (levels are deterministic).
     record_moves : bool
         Journal page layout changes in ``self.table`` for a host store.
-    preset : {"icecache", "dci-knn"}
+    preset : {"wide", "icecache", "dci-knn"}
         Starting point of the parameters below (see `DCIParams.preset`); explicit arguments override it.
+        ``"wide"`` (default) differs from ``"icecache"`` in the query only: ``prop_to_retrieve`` 1.0 and the
+        field of view ``max(7.5e-3 n, 60)``. Measured at 8k real keys: attention recall@256 of the pager's
+        own-pages oracle (SmolLM2 0.892 vs 0.886, Gemma-3 0.678 vs 0.641) for 1.25x / 1.4x the select time,
+        and Gemma-3's needle at 8k and 16k found where ``"icecache"`` misses it.
     num_comp_indices, num_simp_indices : int, optional
         L composite indices of m simple indices (IceCache: 1 x 1; dci-knn: 2 x 7).
     p0, p1 : float, optional
         Promotion probabilities of the level schedule (level 0 -> 1, and above): 0.03 and 0.2.
     field_of_view : int, optional
         Query beam width F (nodes expanded per level). Default ``max(int(fov_scale * n), fov_min)`` with
-        ``n`` the indexed tokens, i.e. ``max(int(1.5e-3 n), 30)``.
+        ``n`` the indexed tokens ("wide": ``max(int(7.5e-3 n), 60)``; "icecache": ``max(int(1.5e-3 n), 30)``).
     fov_scale, fov_min : float, int, optional
         The default field-of-view rule.
     prop_to_retrieve : float, optional
-        Query retrieve limit as a share of each searched cluster (0.8).
+        Query retrieve limit as a share of each searched cluster ("wide": 1.0; "icecache": 0.8).
     construction_field_of_view : int, optional
         Beam width of parent searches that do not use brute force (30).
     construction_prop_to_retrieve : float, optional
@@ -83,7 +89,7 @@ class MDCIPager(SemanticPager):
         seed: int = 0,
         *,
         record_moves: bool = False,
-        preset: str = "icecache",
+        preset: str = "wide",
         num_comp_indices: int | None = None,
         num_simp_indices: int | None = None,
         p0: float | None = None,
