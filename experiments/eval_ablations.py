@@ -48,6 +48,7 @@ ABLATIONS: list[tuple[str, str, dict]] = [
     ("field of view", "F=10", {"index_params": {"field_of_view": 10}}),
     ("field of view", "F=120", {"index_params": {"field_of_view": 120}}),
     ("page split", "2means", {"index_params": {"page_split": "2means"}}),
+    ("search preset", "icecache (published)", {"index_params": {"preset": "icecache"}}),
 ]
 REFERENCES = [("full attention", "-", None), ("exact top-B", "64", {"index": "exact"}), ("quest", "64", {"index": "sequential"})]
 
@@ -55,6 +56,7 @@ REFERENCES = [("full attention", "-", None), ("exact top-B", "64", {"index": "ex
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--samples", type=int, default=5)
+    ap.add_argument("--budget", type=int, default=BASE["budget"], help="budget of every configuration (default 64)")
     ap.add_argument("--passkey-tokens", type=int, default=8000)
     ap.add_argument("--ppl-context", type=int, default=4000)
     ap.add_argument("--ppl-tokens", type=int, default=256)
@@ -64,13 +66,15 @@ def main() -> int:
     t0 = time.perf_counter()
     model, tok = icecache.load_model()
     stop = {tok.eos_token_id}
-    configs = [(g, v, ch) for g, v, ch in ABLATIONS] + REFERENCES
+    base = {**BASE, "budget": args.budget}
+    refs = [(g, str(args.budget) if v != "-" else v, ch) for g, v, ch in REFERENCES]
+    configs = [(g, v, ch) for g, v, ch in ABLATIONS] + refs
     rows = []
     for i in range(args.samples):
         sample = make_passkey(tok, args.passkey_tokens, depth=0.1 + 0.8 * i / max(args.samples - 1, 1), seed=1000 + i)
         pre = run_prefill(model, tok(sample.prompt, return_tensors="pt")["input_ids"])
         for group, value, change in configs:
-            cache = clone_kv(pre.kv) if change is None else IceCache(model.config, IceCacheConfig(**{**BASE, **change})).load_prefill(pre.kv)
+            cache = clone_kv(pre.kv) if change is None else IceCache(model.config, IceCacheConfig(**{**base, **change})).load_prefill(pre.kv)
             text = tok.decode(decode_greedy(model, cache, pre.last_logits, 8, stop))
             if isinstance(cache, IceCache):
                 cache.close()
@@ -80,7 +84,7 @@ def main() -> int:
         s = make_ppl(tok, args.ppl_context, args.ppl_tokens, seed=2000 + i)
         pre = run_prefill(model, torch.tensor([s.context]))
         for group, value, change in configs:
-            cache = clone_kv(pre.kv) if change is None else IceCache(model.config, IceCacheConfig(**{**BASE, **change})).load_prefill(pre.kv)
+            cache = clone_kv(pre.kv) if change is None else IceCache(model.config, IceCacheConfig(**{**base, **change})).load_prefill(pre.kv)
             nll = decode_forced(model, cache, pre.last_logits, s.targets)
             if isinstance(cache, IceCache):
                 cache.close()
@@ -101,7 +105,7 @@ def main() -> int:
         "# IceCache ablations (embedded SmolLM2-135M)",
         "",
         f"Command: `python experiments/eval_ablations.py {' '.join(sys.argv[1:])}`  ",
-        f"Wall time: {wall:.0f} s. Defaults: {BASE}; each row changes one thing. Passkey: {args.samples} samples at "
+        f"Wall time: {wall:.0f} s. Defaults: {base} (mdci preset wide); each row changes one thing. Passkey: {args.samples} samples at "
         f"{args.passkey_tokens} tokens (depths 0.1..0.9); perplexity: {args.ppl_samples} real-text windows, "
         f"{args.ppl_tokens} teacher-forced tokens after {args.ppl_context} tokens of context.",
         "",

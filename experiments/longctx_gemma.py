@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -39,6 +40,21 @@ def kv_bytes(cache, kinds, text_cfg) -> int:
     return total
 
 
+def variant_config(spec: str) -> IceCacheConfig:
+    """``pager@budget`` or ``pager[key=value;...]@budget`` (pager parameters, e.g. ``mdci[preset=icecache]@256``)."""
+    m = re.fullmatch(r"([\w-]+)(?:\[(.*)\])?@(\d+)", spec)
+    if m is None:
+        raise SystemExit(f"bad variant {spec!r}: expected pager@budget or pager[key=value;...]@budget")
+    params = {}
+    for kv in filter(None, (m.group(2) or "").split(";")):
+        key, _, value = kv.partition("=")
+        try:
+            params[key] = json.loads(value)
+        except json.JSONDecodeError:
+            params[key] = value
+    return IceCacheConfig(index=m.group(1), budget=int(m.group(3)), dense_layers=(), index_params=params)
+
+
 @torch.inference_mode()
 def decode_steps(model, cache, first: int, steps: int) -> list[float]:
     times = []
@@ -56,7 +72,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--contexts", default="2000,4000,8000,16000,32000")
     ap.add_argument("--steps", type=int, default=24)
-    ap.add_argument("--variants", default="mdci@256,sequential@256,mdci@64")
+    ap.add_argument("--variants", default="mdci@256,sequential@256,mdci@64",
+                    help="comma-separated pager@budget or pager[key=value;...]@budget")
     ap.add_argument("--out", default="experiments/longctx")
     args = ap.parse_args()
     t_start = time.perf_counter()
@@ -69,8 +86,7 @@ def main() -> int:
         pre = run_prefill(model, ids)
         prefill_s = time.perf_counter() - t0
         first = int(pre.last_logits.argmax())
-        variants = [("full", None)] + [(v, IceCacheConfig(index=v.split("@")[0], budget=int(v.split("@")[1]), dense_layers=()))
-                                       for v in args.variants.split(",")]
+        variants = [("full", None)] + [(v, variant_config(v)) for v in args.variants.split(",")]
         for name, cfg in variants:
             if cfg is None:  # the model's own cache: sliding layers keep their window, global layers everything
                 cache = DynamicCache(config=model.config)
