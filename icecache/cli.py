@@ -87,8 +87,28 @@ def _ice_config(args: argparse.Namespace):
     dense = tuple(int(x) for x in args.dense_layers.split(",") if x.strip()) if args.dense_layers is not None else (0, 1)
     return IceCacheConfig(
         budget=args.budget, page_size=args.page_size, sink=args.sink, window=args.window, index=args.index,
-        dense_layers=dense, reuse_every=args.reuse_every, threads=args.threads, seed=args.seed,
+        index_params=parse_index_params(args.index_params), dense_layers=dense, reuse_every=args.reuse_every,
+        threads=args.threads, seed=args.seed,
     )
+
+
+def parse_index_params(text: str | None) -> dict:
+    """``"field_of_view=120,page_score=mass"`` -> ``{"field_of_view": 120, "page_score": "mass"}`` (values read
+    as JSON numbers/booleans where they parse, else strings)."""
+    import json
+
+    from icecache.core.errors import ConfigError
+
+    out: dict = {}
+    for item in filter(None, (text or "").split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip().isidentifier():
+            raise ConfigError(f"--index-params expects key=value[,key=value...], got {item!r}")
+        try:
+            out[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.strip()] = value
+    return out
 
 
 def _print_stats(stats: dict, file=sys.stderr) -> None:
@@ -200,6 +220,9 @@ def _add_ice_options(p: argparse.ArgumentParser, budget: int = 256) -> None:
     g = p.add_argument_group("IceCache")
     g.add_argument("--index", default="mdci", help="pager backend (icecache info lists them; default mdci)")
     g.add_argument("--budget", type=int, default=budget, help=f"middle tokens attended per layer and KV head (default {budget})")
+    g.add_argument("--index-params", default=None, metavar="K=V,...",
+                   help="parameters of the --index pager, e.g. field_of_view=120,page_score=mass (eval: they tune "
+                        "the icecache methods, other methods' pagers keep their defaults)")
     g.add_argument("--page-size", type=int, default=16, help="tokens per page (default 16)")
     g.add_argument("--sink", type=int, default=4, help="first tokens always on the device (default 4)")
     g.add_argument("--window", type=int, default=64, help="recent tokens always on the device (default 64)")

@@ -46,3 +46,22 @@ def test_replace_validates_and_dense_layers_are_normalised():
     with pytest.raises(ConfigError):
         c.replace(budget=-5)
     assert c.replace(budget=64).budget == 64
+
+
+@pytest.mark.parametrize("name", ["mdci", "exact", "sequential", "ivf", "hnsw", "pq"])
+def test_unknown_pager_parameter_is_a_config_error_naming_the_known_ones(name):
+    from icecache.indexes import make_pager
+
+    with pytest.raises(ConfigError, match="no parameter 'bogus'.*record_moves"):
+        make_pager(name, head_dim=8, bogus=1)
+
+
+def test_cli_index_params_parse():
+    from icecache.cli import parse_index_params
+
+    assert parse_index_params(None) == {}
+    assert parse_index_params("field_of_view=120,page_score=mass,fov_scale=0.01,x=true") == {
+        "field_of_view": 120, "page_score": "mass", "fov_scale": 0.01, "x": True}
+    for bad in ("oops", "=3", "a b=1"):
+        with pytest.raises(ConfigError):
+            parse_index_params(bad)

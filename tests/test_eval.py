@@ -120,3 +120,22 @@ def test_eval_spec_validates():
         EvalSpec(task="passkey", methods=["magic"], budgets=[64], lengths=[100])
     s = EvalSpec(task="longgen", methods=["quest"], budgets=[64], lengths=[100])
     assert s.methods[0] == "full"
+
+
+def test_index_params_tune_only_the_methods_of_that_pager():
+    from icecache.eval.methods import for_pager
+
+    cfg = IceCacheConfig(index="mdci", index_params={"field_of_view": 7})
+    assert for_pager(cfg, "mdci", reuse_every=2).index_params == {"field_of_view": 7}
+    assert for_pager(cfg, "sequential").index_params == {} and for_pager(cfg, "exact").index == "exact"
+    model = make_tiny_llama()
+    ids = torch.randint(3, 100, (1, 200), generator=torch.Generator().manual_seed(0))
+    pre = run_prefill(model, ids)
+    for name in ("icecache", "quest", "streaming", "snapkv", "exact"):
+        cache = get_method(name).cache(model, pre, cfg.replace(budget=32, dense_layers=()))
+        pager = cache.layers[0].pagers[0][0]
+        if name == "icecache":
+            assert pager.params.query.field_of_view == 7
+        else:
+            assert not hasattr(pager, "params")
+        cache.close()

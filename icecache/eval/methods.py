@@ -92,9 +92,15 @@ class Method:
         return self.make(model, prefill, config)
 
 
+def for_pager(cfg: IceCacheConfig, index: str, **changes: Any) -> IceCacheConfig:
+    """``cfg`` switched to pager ``index``; ``cfg.index_params`` belong to ``cfg.index`` and are dropped for any
+    other pager (``--index-params field_of_view=120`` tunes ``icecache``, not ``quest``'s pager)."""
+    return cfg.replace(index=index, **({} if index == cfg.index else {"index_params": {}}), **changes)
+
+
 def _ice(index: str, **changes: Any) -> Callable[[Any, Prefill, IceCacheConfig], Any]:
     def make(model: Any, prefill: Prefill, cfg: IceCacheConfig) -> IceCache:
-        return IceCache(model.config, cfg.replace(index=index, **changes)).load_prefill(prefill.kv)
+        return IceCache(model.config, for_pager(cfg, index, **changes)).load_prefill(prefill.kv)
 
     return make
 
@@ -104,7 +110,7 @@ def _full(model: Any, prefill: Prefill, cfg: IceCacheConfig) -> Any:
 
 
 def _streaming(model: Any, prefill: Prefill, cfg: IceCacheConfig) -> IceCache:
-    c = cfg.replace(index="sequential", window=cfg.window + cfg.budget, budget=0)
+    c = for_pager(cfg, "sequential", window=cfg.window + cfg.budget, budget=0)
     return IceCache(model.config, c).load_prefill(prefill.kv)
 
 
@@ -122,7 +128,7 @@ def _snapkv(model: Any, prefill: Prefill, cfg: IceCacheConfig) -> IceCache:
         mid[: max(n, 0)] = scores[lo : lo + max(n, 0)]
         return FixedScorePager(head_dim, mid)
 
-    return IceCache(model.config, cfg.replace(index="exact"), pager_factory=factory).load_prefill(prefill.kv)
+    return IceCache(model.config, for_pager(cfg, "exact"), pager_factory=factory).load_prefill(prefill.kv)
 
 
 def get_method(name: str) -> Method:

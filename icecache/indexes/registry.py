@@ -8,10 +8,11 @@ Backends import optional dependencies (faiss, hnswlib, ...) lazily, so discovery
 from __future__ import annotations
 
 import importlib
+import inspect
 import pkgutil
 from typing import Any, Callable, TypeVar
 
-from icecache.core.errors import UnknownNameError
+from icecache.core.errors import ConfigError, UnknownNameError
 from icecache.core.pager import SemanticPager
 
 _REGISTRY: dict[str, type[SemanticPager]] = {}
@@ -61,6 +62,13 @@ def get_pager_class(name: str) -> type[SemanticPager]:
 
 
 def make_pager(name: str, head_dim: int, page_size: int = 16, seed: int = 0, **params: Any) -> SemanticPager:
-    """Create a pager backend by name. ``params`` are the backend's own keyword arguments."""
+    """Create a pager backend by name. ``params`` are the backend's own keyword arguments (an unknown one raises
+    `ConfigError` listing the backend's parameters)."""
     cls = get_pager_class(name)
+    accepted = inspect.signature(cls.__init__).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+        unknown = sorted(set(params) - set(accepted))
+        if unknown:
+            known = [k for k, p in accepted.items() if k not in ("self", "head_dim", "page_size", "seed") and p.kind is p.KEYWORD_ONLY]
+            raise ConfigError(f"pager {name!r} has no parameter {', '.join(map(repr, unknown))}; its parameters: {', '.join(known)}")
     return cls(head_dim=head_dim, page_size=page_size, seed=seed, **params)
