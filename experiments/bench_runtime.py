@@ -25,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import icecache  # noqa: E402
+from icecache.cli import parse_pager_spec  # noqa: E402
 from icecache import IceCache, IceCacheConfig  # noqa: E402
 from icecache.eval.tasks import text_window  # noqa: E402
 from icecache.runtime.generate import icecache_attention  # noqa: E402
@@ -117,7 +118,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--contexts", default="2000,4000,8000")
     ap.add_argument("--budgets", default="64,256")
-    ap.add_argument("--pagers", default="mdci,sequential")
+    ap.add_argument("--pagers", default="mdci,sequential",
+                    help="comma-separated pagers, each name or name[key=value;...], e.g. mdci[preset=icecache]")
     ap.add_argument("--reuse", default="", help="IceCache(r) variants of the first pager, e.g. 2,4")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--threads", type=int, default=0)
@@ -130,17 +132,19 @@ def main() -> int:
     rows = []
     contexts = [int(x) for x in args.contexts.split(",")]
     warm = torch.tensor([text_window(tok, 256, seed=1)])  # warm-up: first calls allocate, JIT-compile, ...
-    for p in args.pagers.split(","):
-        run_variant(model, warm, IceCacheConfig(index=p, budget=64, threads=args.threads), 4)
+    specs = [(p, *parse_pager_spec(p)) for p in args.pagers.split(",")]  # (label, index, params)
+    for _, index, params in specs:
+        run_variant(model, warm, IceCacheConfig(index=index, index_params=params, budget=64, threads=args.threads), 4)
     run_variant(model, warm, None, 4)
     for n in contexts:
         ids = torch.tensor([text_window(tok, n, seed=n)])
         budgets = [int(x) for x in args.budgets.split(",")]
-        pagers = args.pagers.split(",")
+        first = specs[0]
         variants = [("full", None)] + [
-            (f"{p}@{b}", IceCacheConfig(index=p, budget=b, threads=args.threads)) for p in pagers for b in budgets
+            (f"{label}@{b}", IceCacheConfig(index=index, index_params=params, budget=b, threads=args.threads))
+            for label, index, params in specs for b in budgets
         ] + [
-            (f"{pagers[0]}-r{r}@{b}", IceCacheConfig(index=pagers[0], budget=b, threads=args.threads, reuse_every=int(r)))
+            (f"{first[0]}-r{r}@{b}", IceCacheConfig(index=first[1], index_params=first[2], budget=b, threads=args.threads, reuse_every=int(r)))
             for r in args.reuse.split(",") if r for b in budgets
         ]
         for name, cfg in variants:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import re
 import sys
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import icecache  # noqa: E402
 from icecache import IceCache, IceCacheConfig  # noqa: E402
+from icecache.cli import parse_pager_spec  # noqa: E402
 from icecache.eval.harness import attention_impl, run_prefill  # noqa: E402
 from icecache.eval.tasks import text_window  # noqa: E402
 from icecache.runtime.attention import ATTENTION_NAME  # noqa: E402
@@ -42,17 +42,11 @@ def kv_bytes(cache, kinds, text_cfg) -> int:
 
 def variant_config(spec: str) -> IceCacheConfig:
     """``pager@budget`` or ``pager[key=value;...]@budget`` (pager parameters, e.g. ``mdci[preset=icecache]@256``)."""
-    m = re.fullmatch(r"([\w-]+)(?:\[(.*)\])?@(\d+)", spec)
-    if m is None:
+    pager, _, budget = spec.rpartition("@")
+    if not pager or not budget.isdigit():
         raise SystemExit(f"bad variant {spec!r}: expected pager@budget or pager[key=value;...]@budget")
-    params = {}
-    for kv in filter(None, (m.group(2) or "").split(";")):
-        key, _, value = kv.partition("=")
-        try:
-            params[key] = json.loads(value)
-        except json.JSONDecodeError:
-            params[key] = value
-    return IceCacheConfig(index=m.group(1), budget=int(m.group(3)), dense_layers=(), index_params=params)
+    index, params = parse_pager_spec(pager)
+    return IceCacheConfig(index=index, budget=int(budget), dense_layers=(), index_params=params)
 
 
 @torch.inference_mode()

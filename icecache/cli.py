@@ -92,6 +92,19 @@ def _ice_config(args: argparse.Namespace):
     )
 
 
+def parse_pager_spec(spec: str) -> tuple[str, dict]:
+    """``"mdci"`` -> ``("mdci", {})``; ``"mdci[preset=icecache;field_of_view=120]"`` -> ``("mdci", {...})``
+    (the form experiment scripts take in comma-separated lists)."""
+    import re
+
+    from icecache.core.errors import ConfigError
+
+    m = re.fullmatch(r"\s*([\w-]+)\s*(?:\[(.*)\])?\s*", spec)
+    if m is None:
+        raise ConfigError(f"pager spec must be name or name[key=value;...], got {spec!r}")
+    return m.group(1), parse_index_params((m.group(2) or "").replace(";", ","))
+
+
 def parse_index_params(text: str | None) -> dict:
     """``"field_of_view=120,page_score=mass"`` -> ``{"field_of_view": 120, "page_score": "mass"}`` (values read
     as JSON numbers/booleans where they parse, else strings)."""

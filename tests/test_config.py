@@ -65,3 +65,13 @@ def test_cli_index_params_parse():
     for bad in ("oops", "=3", "a b=1"):
         with pytest.raises(ConfigError):
             parse_index_params(bad)
+
+
+def test_pager_spec_parse():
+    from icecache.cli import parse_pager_spec
+
+    assert parse_pager_spec("sequential") == ("sequential", {})
+    assert parse_pager_spec("mdci[preset=icecache;field_of_view=30]") == ("mdci", {"preset": "icecache", "field_of_view": 30})
+    for bad in ("", "mdci[", "a b"):
+        with pytest.raises(ConfigError):
+            parse_pager_spec(bad)
