@@ -3,7 +3,7 @@
 Runs `icecache.eval.soak.soak` on the tiny random Llama with one pager, as experiments/soak.py does, and
 prints the RSS slope and how many hnswlib graphs were built (a build, or a rebuild after norm drift).
 
-    python experiments/reliability/hnsw_rss_probe.py --pager hnsw --tokens 5000 [--no-verify-host] [--tracemalloc]
+    python experiments/reliability/hnsw_rss_probe.py --pager hnsw --tokens 5000 [--no-verify-host] [--tracemalloc] [--sync-inserts]
 
 ``--tracemalloc`` also reports the Python-visible heap (numpy arrays included; torch tensors and hnswlib's
 C++ allocations are not traced) at each checkpoint, to tell a Python-level leak from native heap growth.
@@ -33,6 +33,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=5000)
     ap.add_argument("--no-verify-host", action="store_true")
     ap.add_argument("--tracemalloc", action="store_true")
+    ap.add_argument("--sync-inserts", action="store_true",
+                    help="insert leaving tokens on the calling thread (no prefetch on the worker pool)")
     args = ap.parse_args()
     from conftest import make_tiny_llama
 
@@ -54,6 +56,13 @@ def main() -> int:
         return r
 
     soak_mod._rss_bytes = rss_hook
+    if args.sync_inserts:
+        class SyncIceCache(soak_mod.IceCache):  # type: ignore[name-defined]
+            def __init__(self, *a, **kw) -> None:
+                super().__init__(*a, **kw)
+                self.prefetch_inserts = False
+
+        soak_mod.IceCache = SyncIceCache
     if args.tracemalloc:
         tracemalloc.start()
     tiny = make_tiny_llama(seed=0, max_position_embeddings=1 << 16)
@@ -61,7 +70,7 @@ def main() -> int:
     r = soak_mod.soak(tiny, cfg, prompt_tokens=1024, new_tokens=args.tokens, checkpoint_every=1000,
                       verify_host=not args.no_verify_host, progress=False)
     out = {k: v for k, v in r.items() if k.startswith("rss")}
-    out.update(pager=args.pager, tokens=args.tokens, graphs_built=len(graphs), graph_sizes=graphs[-6:],
+    out.update(pager=args.pager, tokens=args.tokens, sync_inserts=args.sync_inserts, graphs_built=len(graphs), graph_sizes=graphs[-6:],
                rss_and_python_heap_mib=[(round(a), round(b, 1)) for a, b in traced])
     print(json.dumps(out))
     return 0

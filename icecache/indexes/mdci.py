@@ -42,9 +42,10 @@ class MDCIPager(SemanticPager):
     preset : {"wide", "icecache", "dci-knn"}
         Starting point of the parameters below (see `DCIParams.preset`); explicit arguments override it.
         ``"wide"`` (default) differs from ``"icecache"`` in the query only: ``prop_to_retrieve`` 1.0 and the
-        field of view ``max(7.5e-3 n, 60)``. Measured at 8k real keys: attention recall@256 of the pager's
-        own-pages oracle (SmolLM2 0.892 vs 0.886, Gemma-3 0.678 vs 0.641) for 1.25x / 1.4x the select time,
-        and Gemma-3's needle at 8k and 16k found where ``"icecache"`` misses it.
+        field of view ``max(7.5e-3 n, 60)``. Measured at 8k real keys (``experiments/backends.md``): attention
+        recall@256 0.892 vs 0.886 (SmolLM2) and 0.678 vs 0.641 (Gemma-3), three quarters of the way to the
+        own-pages oracle, for 1.5x / 2.8x the select time; Gemma-3's needle at 8k and 16k and SmolLM2's
+        needles found where ``"icecache"`` misses them.
     num_comp_indices, num_simp_indices : int, optional
         L composite indices of m simple indices (IceCache: 1 x 1; dci-knn: 2 x 7).
     p0, p1 : float, optional
