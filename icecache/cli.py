@@ -82,12 +82,12 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def _ice_config(args: argparse.Namespace):
-    from icecache.core.config import IceCacheConfig
+    from icecache.core.config import IceCacheConfig, parse_params
 
     dense = tuple(int(x) for x in args.dense_layers.split(",") if x.strip()) if args.dense_layers is not None else (0, 1)
     return IceCacheConfig(
         budget=args.budget, page_size=args.page_size, sink=args.sink, window=args.window, index=args.index,
-        index_params=parse_index_params(args.index_params), dense_layers=dense, reuse_every=args.reuse_every,
+        index_params=parse_params(args.index_params), dense_layers=dense, reuse_every=args.reuse_every,
         threads=args.threads, seed=args.seed,
     )
 
@@ -97,31 +97,13 @@ def parse_pager_spec(spec: str) -> tuple[str, dict]:
     (the form experiment scripts take in comma-separated lists)."""
     import re
 
+    from icecache.core.config import parse_params
     from icecache.core.errors import ConfigError
 
     m = re.fullmatch(r"\s*([\w-]+)\s*(?:\[(.*)\])?\s*", spec)
     if m is None:
         raise ConfigError(f"pager spec must be name or name[key=value;...], got {spec!r}")
-    return m.group(1), parse_index_params((m.group(2) or "").replace(";", ","))
-
-
-def parse_index_params(text: str | None) -> dict:
-    """``"field_of_view=120,page_score=mass"`` -> ``{"field_of_view": 120, "page_score": "mass"}`` (values read
-    as JSON numbers/booleans where they parse, else strings)."""
-    import json
-
-    from icecache.core.errors import ConfigError
-
-    out: dict = {}
-    for item in filter(None, (text or "").split(",")):
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip().isidentifier():
-            raise ConfigError(f"--index-params expects key=value[,key=value...], got {item!r}")
-        try:
-            out[key.strip()] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key.strip()] = value
-    return out
+    return m.group(1), parse_params((m.group(2) or "").replace(";", ","))
 
 
 def _print_stats(stats: dict, file=sys.stderr) -> None:

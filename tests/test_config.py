@@ -56,15 +56,15 @@ def test_unknown_pager_parameter_is_a_config_error_naming_the_known_ones(name):
         make_pager(name, head_dim=8, bogus=1)
 
 
-def test_cli_index_params_parse():
-    from icecache.cli import parse_index_params
+def test_params_parse():
+    from icecache.core.config import parse_params
 
-    assert parse_index_params(None) == {}
-    assert parse_index_params("field_of_view=120,page_score=mass,fov_scale=0.01,x=true") == {
-        "field_of_view": 120, "page_score": "mass", "fov_scale": 0.01, "x": True}
+    assert parse_params(None) == {}
+    assert parse_params("field_of_view=120,page_score=mass,fov_scale=0.01,x=true,y=None") == {
+        "field_of_view": 120, "page_score": "mass", "fov_scale": 0.01, "x": True, "y": None}
     for bad in ("oops", "=3", "a b=1"):
         with pytest.raises(ConfigError):
-            parse_index_params(bad)
+            parse_params(bad)
 
 
 def test_pager_spec_parse():

@@ -109,3 +109,25 @@ class IceCacheConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def parse_params(text: str | None) -> dict[str, Any]:
+    """``"field_of_view=120,page_score=mass"`` -> ``{"field_of_view": 120, "page_score": "mass"}``: pager
+    parameters as written on a command line. Values are read as JSON numbers/booleans/null where they parse
+    (``None``/``none`` also mean None), else kept as strings; a malformed item raises `ConfigError`."""
+    import json
+
+    out: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in (text or "").split(","))):
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or not key.isidentifier():
+            raise ConfigError(f"expected key=value[,key=value...], got {item!r}")
+        if value.strip() in ("None", "none"):
+            out[key] = None
+            continue
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out

@@ -206,25 +206,15 @@ class HeadResult:
 
 
 def parse_params(spec: str) -> dict[str, Any]:
-    """``"field_of_view=60,p0=0.05"`` -> ``{"field_of_view": 60, "p0": 0.05}`` (ints, floats, None, strings)."""
-    out: dict[str, Any] = {}
-    for part in filter(None, (s.strip() for s in spec.split(","))):
-        if "=" not in part:
-            raise argparse.ArgumentTypeError(f"expected key=value, got {part!r}")
-        k, v = part.split("=", 1)
-        val: Any
-        if v.lower() == "none":
-            val = None
-        else:
-            try:
-                val = int(v)
-            except ValueError:
-                try:
-                    val = float(v)
-                except ValueError:
-                    val = v
-        out[k.strip()] = val
-    return out
+    """``"field_of_view=60,p0=0.05"`` -> ``{"field_of_view": 60, "p0": 0.05}`` (`icecache.core.config.parse_params`,
+    as an argparse type)."""
+    from icecache.core.config import parse_params as parse
+    from icecache.core.errors import ConfigError
+
+    try:
+        return parse(spec)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 #: Part A sweep of each backend's main speed/quality knob (``--pareto``): name -> (pager, parameters).
