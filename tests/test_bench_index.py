@@ -35,6 +35,8 @@ def test_kmeans_reference_pages():
     assert max(len(gr) for gr in groups) <= 16 and len(groups) <= 200
     with pytest.raises(ValueError):
         kmeans_groups(x, 100, 16, seed=0)  # 100 x 16 < 3000
+    chunked = kmeans_groups(x, 200, 16, seed=0, chunk_rows=97)  # distances in 31 chunks: same clustering
+    assert [g.tolist() for g in chunked] == [g.tolist() for g in groups]
     km = KMeansPages(16, seed=0)
     km.build(x, 250)
     assert 240 <= km.table.num_pages <= 250

@@ -307,8 +307,10 @@ def test_default_preset_is_wide_and_recalls_more_than_icecache():
     """The default ("wide") differs from IceCache's published parameters in the query only, and on the same
     tree it recovers more attention mass (fixed seeds, 32 queries)."""
     wide, ice = make_pager("mdci", head_dim=32, seed=1), make_pager("mdci", head_dim=32, seed=1, preset="icecache")
-    assert wide.params.query.prop_to_retrieve == 1.0 and (wide.params.fov_scale, wide.params.fov_min) == (7.5e-3, 60)
-    assert ice.params.query.prop_to_retrieve == 0.8 and (ice.params.fov_scale, ice.params.fov_min) == (1.5e-3, 30)
+    assert wide.params.query.prop_to_retrieve == 1.0
+    assert (wide.params.fov_scale, wide.params.fov_min, wide.params.fov_max) == (7.5e-3, 60, 200)
+    assert ice.params.query.prop_to_retrieve == 0.8
+    assert (ice.params.fov_scale, ice.params.fov_min, ice.params.fov_max) == (1.5e-3, 30, None)
     assert (wide.params.p0, wide.params.p1, wide.params.construction) == (ice.params.p0, ice.params.p1, ice.params.construction)
     k = keys(5, 20000, 32, clusters=64)
     wide.build(k)
@@ -322,3 +324,19 @@ def test_default_preset_is_wide_and_recalls_more_than_icecache():
         rw.append(attention_recall(q, k, wide.select(q, 128).positions))
         ri.append(attention_recall(q, k, ice.select(q, 128).positions))
     assert np.mean(rw) > np.mean(ri), (np.mean(rw), np.mean(ri))  # measured 0.580 vs 0.574
+
+
+@pytest.mark.parametrize("n,expected", [(100, 60), (8192, 61), (20000, 150), (26666, 199), (40000, 200), (131072, 200)])
+def test_wide_field_of_view_rule_is_capped(n, expected):
+    """wide: F = min(max(int(7.5e-3 n), 60), 200), so select time stops growing linearly past ~27k tokens."""
+    p = make_pager("mdci", head_dim=8, seed=0)
+    p.index._n = n  # the rule only reads the size
+    assert p.index.field_of_view() == expected
+    assert make_pager("mdci", head_dim=8, fov_max=1000).index.params.fov_max == 1000
+
+
+def test_fov_max_must_not_undercut_fov_min():
+    with pytest.raises(ConfigError, match="fov_max"):
+        make_pager("mdci", head_dim=8, fov_min=60, fov_max=59)
+    with pytest.raises(ConfigError, match="fov_max"):
+        make_pager("mdci", head_dim=8, fov_max=2.5)

@@ -63,14 +63,16 @@ def oracle_rank(table: PageTable, scores: torch.Tensor, budget: int) -> np.ndarr
     return pos
 
 
-def kmeans_groups(x: torch.Tensor, k: int, cap: int, seed: int, iters: int = 10, balanced_iters: int = 3) -> list[np.ndarray]:
+def kmeans_groups(x: torch.Tensor, k: int, cap: int, seed: int, iters: int = 10, balanced_iters: int = 3,
+                  chunk_rows: int | None = None) -> list[np.ndarray]:
     """Capacity-constrained k-means: ``k`` groups of at most ``cap`` rows of ``x`` ``[n, d]`` (needs
     ``k * cap >= n``; L2 on raw keys; seeded).
 
     ``iters`` Lloyd steps from ``k`` seeded sample points, then ``balanced_iters`` rounds of a greedy capped
     assignment (point-centroid pairs among each point's 8 nearest centroids, taken in increasing distance
     while the centroid has room; leftovers go to the nearest centroid with room) followed by a centroid
-    update. Empty groups are dropped, so at most ``k`` groups come back.
+    update. Empty groups are dropped, so at most ``k`` groups come back. Distances are computed
+    ``chunk_rows`` points at a time (default: 64M distances, 256 MiB, per chunk), so 128k+ points fit.
     """
     n = x.shape[0]
     k = max(1, min(k, n))
@@ -79,8 +81,13 @@ def kmeans_groups(x: torch.Tensor, k: int, cap: int, seed: int, iters: int = 10,
     gen = torch.Generator().manual_seed(seed)
     c = x[torch.randperm(n, generator=gen)[:k]].clone()
 
-    def dist(c: torch.Tensor) -> torch.Tensor:
-        return (c * c).sum(1)[None, :] - 2.0 * (x @ c.T)  # [n, k], |x|^2 dropped
+    rows = chunk_rows or max(1, (1 << 26) // max(1, k))  # distance rows per chunk
+
+    def chunks() -> list[slice]:
+        return [slice(i, min(n, i + rows)) for i in range(0, n, rows)]
+
+    def dist(c: torch.Tensor, sl: slice) -> torch.Tensor:
+        return (c * c).sum(1)[None, :] - 2.0 * (x[sl] @ c.T)  # [rows, k], |x|^2 dropped
 
     def update(assign: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         sums = torch.zeros_like(c).index_add_(0, assign, x)
@@ -91,12 +98,13 @@ def kmeans_groups(x: torch.Tensor, k: int, cap: int, seed: int, iters: int = 10,
         return c
 
     for _ in range(iters):
-        c = update(torch.argmin(dist(c), dim=1), c)
+        c = update(torch.cat([torch.argmin(dist(c, sl), dim=1) for sl in chunks()]), c)
     assign = torch.zeros(n, dtype=torch.int64)
+    r = min(8, k)
     for _ in range(max(1, balanced_iters)):
-        D = dist(c)
-        r = min(8, k)
-        dv, di = torch.topk(D, r, dim=1, largest=False)
+        near = [torch.topk(dist(c, sl), r, dim=1, largest=False) for sl in chunks()]
+        dv = torch.cat([t.values for t in near])
+        di = torch.cat([t.indices for t in near])
         order = torch.argsort(dv.reshape(-1), stable=True).numpy()
         pts = np.repeat(np.arange(n), r)[order]
         cen = di.reshape(-1).numpy()[order]
@@ -107,9 +115,10 @@ def kmeans_groups(x: torch.Tensor, k: int, cap: int, seed: int, iters: int = 10,
                 a[p_] = c_
                 room[c_] -= 1
         left = np.flatnonzero(a < 0)
-        if len(left):
-            Dl = D[torch.from_numpy(left)].numpy()
-            for i, p_ in enumerate(left.tolist()):
+        for i0 in range(0, len(left), rows):
+            part = left[i0 : i0 + rows]
+            Dl = ((c * c).sum(1)[None, :] - 2.0 * (x[torch.from_numpy(part)] @ c.T)).numpy()
+            for i, p_ in enumerate(part.tolist()):
                 for c_ in np.argsort(Dl[i], kind="stable").tolist():
                     if room[c_] > 0:
                         a[p_] = c_
@@ -327,10 +336,13 @@ def synthetic_clustered(n: int, d: int, seed: int, num_queries: int, g: int = 3)
 def scaling_point(
     keys: torch.Tensor, queries: torch.Tensor, *, positions: Sequence[int] | None, budgets: Sequence[int],
     page_size: int, sink: int, window: int, seed: int, variants: dict[str, dict[str, Any]], repeats: int = 3,
+    with_kmeans: bool = False,
 ) -> dict[str, Any]:
     """One (n, head) point: build ``exact`` and every mdci variant on the middle, time selects (median over
     the query positions of the mean of ``repeats`` calls), measure attention recall; ``<variant>-oracle`` ranks
-    that variant's pages by their exact best token (page granularity without search error).
+    that variant's pages by their exact best token (page granularity without search error). A variant's
+    parameters may hold ``page_size`` (its own page capacity). ``with_kmeans`` adds ``kmeans``: k-means pages
+    (as many as ``mdci``'s, each at most ``page_size``) ranked by their exact best token, recall only.
 
     ``keys`` ``[n, d]``; ``queries`` ``[Qn, g, d]``. Real data passes ``positions`` (the query positions, the
     last ``Qn`` of the keys): the middle is ``[sink, n - window - Qn)`` and every query also keeps the sink and
@@ -342,7 +354,8 @@ def scaling_point(
     out: dict[str, Any] = {"n": n, "middle": hi - lo}
     pagers: dict[str, SemanticPager] = {}
     for name, (kind, kw) in {"exact": ("exact", {}), **{v: ("mdci", p) for v, p in variants.items()}}.items():
-        pg = make_pager(kind, d, page_size, seed, **kw)
+        kw = dict(kw)
+        pg = make_pager(kind, d, int(kw.pop("page_size", page_size)), seed, **kw)
         t0 = time.perf_counter()
         pg.build(mid)
         out[f"{name}_build_s"] = time.perf_counter() - t0
@@ -357,7 +370,17 @@ def scaling_point(
         fixed = torch.cat([torch.arange(0, sink), torch.arange(hi, pos + 1)])
         return attention_recall(q, keys[: pos + 1], torch.cat([fixed, sel + lo]))
 
+    km = None
+    if with_kmeans:
+        km = KMeansPages(page_size, seed)
+        t0 = time.perf_counter()
+        km.build(mid, pagers["mdci"].num_pages if "mdci" in pagers else 0)
+        out["kmeans_build_s"] = time.perf_counter() - t0
+        out["kmeans_pages"] = km.table.num_pages
     for b in budgets:
+        if km is not None:
+            out[f"kmeans_recall@{b}"] = float(np.mean([recall(queries[i], i, torch.from_numpy(km.select(queries[i], b)))
+                                                       for i in range(Qn)]))
         for name, pg in pagers.items():
             times, recs = [], []
             for i in range(Qn):
@@ -435,6 +458,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scaling-budgets", default="128", help="comma-separated budgets of part B (default 128)")
     p.add_argument("--scaling-variant", action="append", default=[], metavar="NAME:K=V,...",
                    help="an extra mdci configuration for part B (repeatable), e.g. 'F30:field_of_view=30'")
+    p.add_argument("--scaling-kmeans", action="store_true",
+                   help="part B, real keys: also the k-means page reference (as many pages as mdci; slow at 128k+)")
     p.add_argument("--no-scaling", action="store_true", help="skip part B")
     p.add_argument("--no-quality", action="store_true", help="skip part A")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave torch's default)")
@@ -635,7 +660,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             Qw = q_by_window[w][l][h * rep : (h + 1) * rep].transpose(0, 1).contiguous()  # [Qn, g, d]
             positions = [n - args.scaling_queries + i for i in range(args.scaling_queries)]
             r = scaling_point(keys_cat[l][h, :n].contiguous(), Qw, positions=positions, budgets=s_budgets, page_size=args.page_size,
-                              sink=args.sink, window=args.window, seed=args.seed, variants=s_variants)
+                              sink=args.sink, window=args.window, seed=args.seed, variants=s_variants,
+                              with_kmeans=args.scaling_kmeans)
             r.update(data="real", layer=l, head=h)
             scaling_rows.append(r)
         for n in tqdm(sizes, desc="part B: synthetic", unit="size", file=sys.stderr):
@@ -670,6 +696,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 rows_md.append([a["data"], int(a["n"]), v, a[f"{v}_build_s"], a[f"{v}_select_ms@{bmid}"], ex_t / a[f"{v}_select_ms@{bmid}"],
                                 a[f"{v}_recall@{bmid}"], a[f"{v}_recall@{bmid}"] / ex_r, a[f"{v}-oracle_recall@{bmid}"],
                                 a[f"{v}-oracle_recall@{bmid}"] / ex_r, a[f"{v}_index_bytes_per_token"], a[f"{v}_pages"]])
+            if f"kmeans_recall@{bmid}" in a:
+                rows_md.append([a["data"], int(a["n"]), "kmeans", a["kmeans_build_s"], float("nan"), float("nan"),
+                                a[f"kmeans_recall@{bmid}"], a[f"kmeans_recall@{bmid}"] / ex_r, float("nan"), float("nan"),
+                                float("nan"), a["kmeans_pages"]])
         report.append(md_table(hdr, rows_md))
         for data in ("real", "synthetic"):
             rs = [a for a in agg_rows if a["data"] == data]
@@ -686,6 +716,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     targets.append(f"- {data} 128k, {v}: {sp:.2f}x faster than exact ({'MET' if sp >= 3 else 'MISSED'} >= 3x); recall "
                                    f"{rr:.3f} of exact's ({'MET' if rr >= 0.95 else 'MISSED'} >= 0.95; {ro:.3f} of its own pages' oracle ranking); "
                                    f"select-time exponent {sm:.2f} vs exact {se:.2f}")
+            at = [a for a in rs if a["n"] == 131072 and f"kmeans_recall@{bmid}" in a]
+            if at:
+                a = at[0]
+                targets.append(f"- {data} 128k, k-means pages (reference, exact page ranking): recall "
+                               f"{a[f'kmeans_recall@{bmid}'] / a[f'exact_recall@{bmid}']:.3f} of exact's")
         csv_out["scaling_summary.csv"] = agg_rows
 
     wall = time.perf_counter() - t_start

@@ -138,9 +138,9 @@ class DCIParams:
     construction : SearchConfig
         Parent search (k = 1) when the level above has more than ``brute_force_threshold`` nodes.
     query : SearchConfig
-        Query descent. ``field_of_view=None`` uses ``max(int(fov_scale * n), fov_min)``.
-    fov_scale, fov_min : float, int
-        The query field-of-view rule when ``query.field_of_view`` is None.
+        Query descent. ``field_of_view=None`` uses ``min(max(int(fov_scale * n), fov_min), fov_max)``.
+    fov_scale, fov_min, fov_max : float, int, int or None
+        The query field-of-view rule when ``query.field_of_view`` is None (``fov_max`` None: no cap).
     brute_force_threshold : int
         Exact parent search when the level above has at most this many nodes (MD: 3000), else the descent
         with the construction config. Used for single inserts.
@@ -185,6 +185,7 @@ class DCIParams:
     query: SearchConfig = field(default_factory=lambda: SearchConfig(field_of_view=None, prop_to_retrieve=0.8))
     fov_scale: float = 1.5e-3
     fov_min: int = 30
+    fov_max: int | None = None
     brute_force_threshold: int = 3000
     bulk_brute_force_threshold: int = 20000
     adopt_margin: float = 1e-8
@@ -211,6 +212,9 @@ class DCIParams:
                 raise ConfigError(f"{name} must be an int >= 0, got {v!r}")
         if not self.fov_scale >= 0.0:
             raise ConfigError(f"fov_scale must be >= 0, got {self.fov_scale!r}")
+        if self.fov_max is not None and (isinstance(self.fov_max, bool) or not isinstance(self.fov_max, (int, np.integer))
+                                         or self.fov_max < self.fov_min):
+            raise ConfigError(f"fov_max must be None or an int >= fov_min ({self.fov_min}), got {self.fov_max!r}")
         if not self.adopt_margin >= 0.0:
             raise ConfigError(f"adopt_margin must be >= 0, got {self.adopt_margin!r}")
         if not self.rekey_headroom >= 1.0:
@@ -232,14 +236,15 @@ class DCIParams:
     def preset(cls, name: str) -> "DCIParams":
         """``"icecache"`` (the defaults: MD as IceCache calls it), ``"wide"`` (IceCache's tree with a wider,
         exhaustive query: every token of a visited cluster scored, ``prop_to_retrieve`` 1.0, and the field of
-        view ``max(7.5e-3 n, 60)``, 5x IceCache's; the `MDCIPager` default, chosen from measurements: see
+        view ``min(max(7.5e-3 n, 60), 200)``, 5x IceCache's up to 27k tokens, capped so the select time grows
+        sublinearly beyond; the `MDCIPager` default, chosen from measurements: see
         ``experiments/backends.md``) or ``"dci-knn"`` (the dci-knn wrapper defaults: L = 2, m = 7,
         construction F = 10 with prop_to_retrieve 0.002 and no brute force, query F = 100 with
         prop_to_retrieve 0.05; levels still from the MD schedule, disjoint)."""
         if name == "icecache":
             return cls()
         if name == "wide":
-            return cls(query=SearchConfig(field_of_view=None, prop_to_retrieve=1.0), fov_scale=7.5e-3, fov_min=60)
+            return cls(query=SearchConfig(field_of_view=None, prop_to_retrieve=1.0), fov_scale=7.5e-3, fov_min=60, fov_max=200)
         if name == "dci-knn":
             return cls(
                 num_comp_indices=2,
@@ -866,6 +871,8 @@ class DCIIndex:
         f = self.params.query.field_of_view
         if f is None:
             f = max(int(self.params.fov_scale * self._n), self.params.fov_min)
+            if self.params.fov_max is not None:
+                f = min(f, self.params.fov_max)
         return int(f)
 
     def query(self, q: Any, k: int, *, config: SearchConfig | None = None) -> tuple[np.ndarray, np.ndarray]:
