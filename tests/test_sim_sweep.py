@@ -94,6 +94,19 @@ def test_sweep_command_writes_csv_markdown_and_plots(tmp_path, capsys):
         assert (out / name).stat().st_size > 1000
 
 
+def test_project_command_writes_files_only_with_out(tmp_path, capsys, monkeypatch):
+    """`project` prints its table; it writes .csv/.md/.png only where --out says (it once overwrote a committed
+    result by default)."""
+    prof = synthetic_profile().save(tmp_path / "profile.json")
+    monkeypatch.chdir(tmp_path)
+    args = ["project", "--model", "qwen3-4b", "--hardware", "h100", "--context", "16k..64k", "--profile", str(prof)]
+    assert main(args) == 0
+    assert "TPOT" in capsys.readouterr().out
+    assert sorted(x.name for x in tmp_path.rglob("*") if x.is_file()) == ["profile.json"]
+    assert main(args + ["--out", str(tmp_path / "proj")]) == 0
+    assert all((tmp_path / f"proj.{ext}").stat().st_size > 100 for ext in ("csv", "md", "png"))
+
+
 def test_cli_errors_are_clear(tmp_path, capsys):
     prof = synthetic_profile().save(tmp_path / "profile.json")
     assert main(["crossover", "--hardware", "tpu", "--profile", str(prof)]) == 2

@@ -121,7 +121,8 @@ def cmd_project(args: argparse.Namespace) -> int:
 
     _, md, paths = projection(args)
     print(md)
-    print("wrote " + ", ".join(str(p) for p in paths))
+    if paths:
+        print("wrote " + ", ".join(str(p) for p in paths))
     return 0
 
 
@@ -223,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reuse", type=int, default=4)
     p.add_argument("--impl", choices=("runtime", "paper"), default="runtime")
     p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--out", default="experiments/sim/gemma_projection", help="path without suffix")
+    p.add_argument("--out", default=None, help="write <out>.csv/.md/.png (path without suffix); default: print only")
     p.add_argument("--no-plots", action="store_true")
     _add_common(p)
     p.set_defaults(fn=cmd_project)

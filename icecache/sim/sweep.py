@@ -577,7 +577,8 @@ def paper_report(args: Any) -> str:
 # ------------------------------------------------------------------------------------------- projection
 def projection(args: Any) -> tuple[list[dict[str, Any]], str, list[Path]]:
     """The ``project`` command: TPOT vs context of a few variants for one model on one machine, written as
-    ``<out>.csv``, ``<out>.md`` and ``<out>.png``. Returns (rows, Markdown, written paths)."""
+    ``<out>.csv``, ``<out>.md`` and ``<out>.png`` when ``args.out`` is set (else nothing is written).
+    Returns (rows, Markdown, written paths)."""
     import shlex
     import sys
 
@@ -600,9 +601,11 @@ def projection(args: Any) -> tuple[list[dict[str, Any]], str, list[Path]]:
         for n in contexts:
             rows.append(sim.run(SimConfig(variant=v, context=n, **{**base, "budget": min(args.budget, n)})).to_row())
     wall = time.perf_counter() - t0
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    csv_path = write_csv(rows, out.with_suffix(".csv"))
+    out = Path(args.out) if getattr(args, "out", None) else None
+    paths: list[Path] = []
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        paths.append(write_csv(rows, out.with_suffix(".csv")))
     cmd = "python -m icecache.sim " + " ".join(shlex.quote(a) for a in (args.argv if getattr(args, "argv", None) is not None else sys.argv[1:]))
     by = {(r["variant"], r["context"]): r for r in rows}
     xs = crossovers([dict(r, budget=r["budget"] if r["variant"] != "full" else 0) for r in rows])
@@ -636,9 +639,7 @@ def projection(args: Any) -> tuple[list[dict[str, Any]], str, list[Path]]:
     ext = sum(1 for r in rows if r["extrapolated"])
     lines += [f"- {ext} of {len(rows)} rows use a predictor or the hit model outside its measured range; every row's "
               "notes are in the CSV. Distinct notes:"] + [f"  - {nt}" for nt in notes] + [""]
-    md_path = out.with_suffix(".md")
-    paths = [csv_path, md_path]
-    if not getattr(args, "no_plots", False):
+    if out is not None and not getattr(args, "no_plots", False):
         import matplotlib
 
         matplotlib.use("Agg")
@@ -663,5 +664,7 @@ def projection(args: Any) -> tuple[list[dict[str, Any]], str, list[Path]]:
         paths.append(png)
         lines += [f"![TPOT vs context]({png.name})", ""]
     md = "\n".join(lines)
-    md_path.write_text(md)
+    if out is not None:
+        out.with_suffix(".md").write_text(md)
+        paths.insert(1, out.with_suffix(".md"))
     return rows, md, paths
