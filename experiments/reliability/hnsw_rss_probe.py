@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tracemalloc
 from pathlib import Path
@@ -70,6 +71,7 @@ def main() -> int:
     r = soak_mod.soak(tiny, cfg, prompt_tokens=1024, new_tokens=args.tokens, checkpoint_every=1000,
                       verify_host=not args.no_verify_host, progress=False)
     out = {k: v for k, v in r.items() if k.startswith("rss")}
+    out.update(malloc_env={k: v for k, v in os.environ.items() if k.startswith("MALLOC_")})
     out.update(pager=args.pager, tokens=args.tokens, sync_inserts=args.sync_inserts, graphs_built=len(graphs), graph_sizes=graphs[-6:],
                rss_and_python_heap_mib=[(round(a), round(b, 1)) for a, b in traced])
     print(json.dumps(out))

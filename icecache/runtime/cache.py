@@ -32,6 +32,7 @@ from icecache.core.errors import CacheMisuseError, ConfigError, InputError
 from icecache.indexes.registry import make_pager
 from icecache.runtime import link
 from icecache.runtime.loader import BulkLoader
+from icecache.runtime.malloc import pin_mmap_threshold
 from icecache.runtime.prefill import PrefillPipeline
 from icecache.runtime.store import HeadStore
 from icecache.runtime.timing import StageTimer
@@ -348,6 +349,9 @@ class IceCache(Cache):
     Use with ``model.set_attn_implementation("icecache")`` (``import icecache`` registers it) and
     ``model.generate(..., past_key_values=cache)``. Close it (or use it as a context manager) to stop
     its worker threads; `stats` reports times, bytes and memory.
+
+    Process-wide side effect: the first cache fixes glibc's mmap threshold (`icecache.runtime.malloc`), which
+    stops the resident size creeping up over long generations; ``ICECACHE_KEEP_MALLOC=1`` opts out.
     """
 
     def __init__(self, model_config: Any, config: IceCacheConfig | None = None, *, pager_factory: Any = None) -> None:
@@ -367,6 +371,9 @@ class IceCache(Cache):
         self.pager_factory = pager_factory or self._default_pager
         #: insert the token that will leave the window next step on a worker during this step (exact semantics)
         self.prefetch_inserts = True
+        # glibc's dynamic mmap threshold lets worker-thread heaps creep up over long generations
+        # (experiments/reliability.md); fixed once per process, opt out with ICECACHE_KEEP_MALLOC=1
+        pin_mmap_threshold()
         self.pipeline = PrefillPipeline(self.ice.num_threads)
         self.timer = StageTimer()
         layers: list[CacheLayerMixin] = []
