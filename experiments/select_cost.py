@@ -6,8 +6,9 @@
 2. Select time of the same IceCache's own pagers (every sparse layer x KV head, 84 on SmolLM2) outside the
    model: the same pager queried 84 times (its index hot in the CPU caches) vs each pager once, round robin
    (the decode step's pattern: 84 indexes, ~2-3 MB each, do not fit the last-level cache).
-3. Synthetic: 84 M-DCI pagers of 8k clustered keys at head widths 16/64/256, hot vs round robin: how the cold
-   cost grows with the bytes each scored token brings in.
+3. Synthetic: 84 M-DCI pagers of 8k clustered keys at head widths 16/64/256 (and of 500 keys at 64), round
+   robin vs two alternating vs hot: how the cold cost grows with the bytes each scored token brings in, and
+   whether it is the last-level cache (round robin only) or already the L2 (two alternating too).
 
     python experiments/select_cost.py --out experiments/bench_runtime/select_cost
 """
@@ -44,7 +45,8 @@ def decode(model, cache, tok: torch.Tensor, steps: int) -> tuple[torch.Tensor, f
 
 
 def hot_vs_round_robin(pagers: list, queries: list[torch.Tensor], budget: int, reps: int = 5) -> dict[str, float]:
-    """ms for len(pagers) selects: each pager once (round robin, best of ``reps``) vs the first pager as often."""
+    """ms for len(pagers) selects (best of ``reps``): each pager once (round robin), the first two in turn, and
+    the first one only (hot in the CPU caches)."""
     for p, q in zip(pagers, queries):
         p.select(q, budget, check=False)
     rr = []
@@ -53,13 +55,20 @@ def hot_vs_round_robin(pagers: list, queries: list[torch.Tensor], budget: int, r
         for p, q in zip(pagers, queries):
             p.select(q, budget, check=False)
         rr.append(time.perf_counter() - t0)
+    alt = []  # two indexes in turn: their data fits the L3 cache, not the L2
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for i in range(len(pagers)):
+            pagers[i % 2].select(queries[i % 2], budget, check=False)
+        alt.append(time.perf_counter() - t0)
     hot = []
     for _ in range(reps):
         t0 = time.perf_counter()
         for _ in pagers:
             pagers[0].select(queries[0], budget, check=False)
         hot.append(time.perf_counter() - t0)
-    return {"round_robin_ms": 1e3 * min(rr), "hot_ms": 1e3 * min(hot), "selects": len(pagers)}
+    return {"round_robin_ms": 1e3 * min(rr), "two_alternating_ms": 1e3 * min(alt), "hot_ms": 1e3 * min(hot),
+            "selects": len(pagers)}
 
 
 @torch.inference_mode()
@@ -116,25 +125,26 @@ def main() -> None:
             qs.append(torch.from_numpy(k[pick.numpy()]).float() * 2.0)
         res["model_pagers"] = hot_vs_round_robin(pagers, qs, 256)
         r = res["model_pagers"]
-        print(f"{len(pagers)} selects on the model's pagers: round robin {r['round_robin_ms']:.1f} ms, "
-              f"hot {r['hot_ms']:.1f} ms", flush=True)
+        print(f"{len(pagers)} selects on the model's pagers: round robin {r['round_robin_ms']:.1f} ms, two alternating "
+              f"{r['two_alternating_ms']:.1f} ms, hot {r['hot_ms']:.1f} ms", flush=True)
     finally:
         cache.close()
 
     res["synthetic"] = []
-    for d in (16, 64, 256):
+    for d, n in ((16, 8000), (64, 500), (64, 8000), (256, 8000)):
         g = torch.Generator().manual_seed(1)
         ps, qs = [], []
         for _ in range(84):
             c = torch.randn(64, d, generator=g)
-            k = c[torch.randint(0, 64, (8000,), generator=g)] + 0.5 * torch.randn(8000, d, generator=g)
+            k = c[torch.randint(0, 64, (n,), generator=g)] + 0.5 * torch.randn(n, d, generator=g)
             p = make_pager(name, d, 16, 0, **params)
             p.build(k)
             ps.append(p)
-            qs.append(k[torch.randint(0, 8000, (3,), generator=g)] + 0.1 * torch.randn(3, d, generator=g))
-        r = {"head_dim": d, **hot_vs_round_robin(ps, qs, 256)}
+            qs.append(k[torch.randint(0, n, (3,), generator=g)] + 0.1 * torch.randn(3, d, generator=g))
+        r = {"head_dim": d, "keys": n, **hot_vs_round_robin(ps, qs, 256)}
         res["synthetic"].append(r)
-        print(f"synthetic d={d}: round robin {r['round_robin_ms']:.1f} ms, hot {r['hot_ms']:.1f} ms", flush=True)
+        print(f"synthetic d={d}, n={n}: round robin {r['round_robin_ms']:.1f} ms, two alternating "
+              f"{r['two_alternating_ms']:.1f} ms, hot {r['hot_ms']:.1f} ms", flush=True)
         del ps
     res["wall_s"] = time.perf_counter() - t_start
     if args.out:

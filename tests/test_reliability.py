@@ -270,7 +270,7 @@ def test_soak_short_tiny_model():
         report = soak(model, IceCacheConfig(index=name, budget=24, page_size=4, sink=4, window=16, dense_layers=(0,)),
                       prompt_tokens=150, new_tokens=250, checkpoint_every=100)
         assert report["device_bytes_constant"] and report["host_growth_exact"] and report["conservation_checks"] >= 2
-        assert report["index_bytes_per_step"] >= 0
+        assert report["index_bytes_per_step"] >= 0 and report["host_allocated_bytes_per_step"] >= 0
 
 
 # ------------------------------------------------------------------------------------------ soak (full, slow)

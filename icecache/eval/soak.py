@@ -59,7 +59,7 @@ def soak(model: Any, config: IceCacheConfig, prompt_tokens: int, new_tokens: int
     report: dict[str, Any] = {"index": config.index, "prompt_tokens": int(input_ids.shape[1]), "new_tokens": new_tokens,
                               "conservation_checks": 0, "host_checks": 0}
     step_s, rss = [], []
-    index_marks: list[tuple[int, int]] = []  # (step, index bytes of every sparse pager) at checkpoints
+    index_marks: list[tuple[int, int, int]] = []  # (step, pagers' index bytes, host store allocated bytes)
     try:
         with icecache_attention(model):
             t0 = time.perf_counter()
@@ -93,7 +93,8 @@ def soak(model: Any, config: IceCacheConfig, prompt_tokens: int, new_tokens: int
                         report.setdefault("host_growth_mismatch_at", i)
                     host_prev = (i, host)
                     idx = sum(pg.index_bytes() for li in sparse for row in cache.layers[li].pagers for pg in row)
-                    index_marks.append((i, idx))
+                    alloc = sum(st.allocated_bytes() for li in sparse for row in cache.layers[li].stores for st in row)
+                    index_marks.append((i, idx, alloc))
                     if verify_host:
                         for li in sparse:
                             full = torch.cat(recorded[li], dim=1)  # [H, T, D]
@@ -123,8 +124,10 @@ def soak(model: Any, config: IceCacheConfig, prompt_tokens: int, new_tokens: int
         xs, ys = np.array([r[0] for r in rss], float), np.array([r[1] for r in rss], float)
         report["rss_slope_bytes_per_step"] = float(np.polyfit(xs, ys, 1)[0])
     if len(index_marks) >= 2:  # what the pagers themselves add per step (their own estimate, `index_bytes`)
-        (i0, b0), (i1, b1) = index_marks[0], index_marks[-1]
+        (i0, b0, a0), (i1, b1, a1) = index_marks[0], index_marks[-1]
         report["index_bytes_per_step"] = (b1 - b0) / max(1, i1 - i0)
+        # host KV blocks reserved (pages are blocks of page_size slots; split pages leave free slots)
+        report["host_allocated_bytes_per_step"] = (a1 - a0) / max(1, i1 - i0)
     report["rss_start_mib"] = rss_start / 2**20
     report["rss_end_mib"] = _rss_bytes() / 2**20
     report["threads_start"], report["threads_end"] = threads_start, _our_threads()
