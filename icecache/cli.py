@@ -88,7 +88,7 @@ def _ice_config(args: argparse.Namespace):
     return IceCacheConfig(
         budget=args.budget, page_size=args.page_size, sink=args.sink, window=args.window, index=args.index,
         index_params=parse_params(args.index_params), dense_layers=dense, reuse_every=args.reuse_every,
-        threads=args.threads, seed=args.seed,
+        threads=args.threads, seed=args.seed, heap_policy=args.heap_policy,
     )
 
 
@@ -225,6 +225,8 @@ def _add_ice_options(p: argparse.ArgumentParser, budget: int = 256) -> None:
     g.add_argument("--reuse-every", type=int, default=1, help="IceCache(r): reuse a selection for r layers (default 1)")
     g.add_argument("--threads", type=int, default=0, help="CPU threads for index work (default: all)")
     g.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    g.add_argument("--heap-policy", choices=("trim", "pin", "none"), default="trim",
+                   help="glibc heap growth over long runs: trim every 256 steps (default), pin the mmap threshold, or none")
 
 
 def build_parser() -> argparse.ArgumentParser:

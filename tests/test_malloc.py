@@ -1,4 +1,4 @@
-"""`icecache.runtime.malloc`: the glibc mmap-threshold pin the runtime applies for long generations."""
+"""`icecache.runtime.malloc` and `IceCacheConfig.heap_policy`: glibc heap settings for long generations."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import platform
 
 import pytest
 
+from icecache.core.errors import ConfigError
 from icecache.runtime import malloc
 
 glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc only")
@@ -13,19 +14,16 @@ glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc only
 
 @glibc
 def test_pin_applies_once_and_reports(monkeypatch):
-    monkeypatch.delenv("ICECACHE_KEEP_MALLOC", raising=False)
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    monkeypatch.setattr(malloc, "_applied", None)
     assert malloc.pin_mmap_threshold() is True
     assert malloc.pinned_threshold() == malloc.DEFAULT_THRESHOLD
     assert malloc.pin_mmap_threshold() is True  # idempotent
 
 
-def test_opt_outs_leave_the_allocator_alone(monkeypatch):
+def test_the_users_own_threshold_wins(monkeypatch):
     monkeypatch.setattr(malloc, "_applied", None)
-    monkeypatch.setenv("ICECACHE_KEEP_MALLOC", "1")
-    assert malloc.pin_mmap_threshold(1 << 20) is False and malloc.pinned_threshold() is None
-    monkeypatch.delenv("ICECACHE_KEEP_MALLOC")
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # the user's own setting wins
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
     assert malloc.pin_mmap_threshold(1 << 20) is False and malloc.pinned_threshold() is None
 
 
@@ -36,13 +34,42 @@ def test_bad_threshold_is_refused(bad):
 
 
 @glibc
-def test_icecache_pins_it(monkeypatch):
-    from icecache import IceCache, IceCacheConfig
-    from conftest import make_tiny_llama
+def test_trim_heap_runs():
+    bufs = [bytearray(1 << 20) for _ in range(32)]
+    del bufs
+    assert isinstance(malloc.trim_heap(), bool)
 
-    monkeypatch.delenv("ICECACHE_KEEP_MALLOC", raising=False)
+
+def test_bad_heap_policy_is_refused():
+    from icecache import IceCacheConfig
+
+    with pytest.raises(ConfigError, match="heap_policy"):
+        IceCacheConfig(heap_policy="jemalloc")
+
+
+@glibc
+@pytest.mark.parametrize("policy", ["trim", "pin", "none"])
+def test_icecache_applies_its_heap_policy(policy, monkeypatch):
+    import torch
+
+    import icecache.runtime.cache as cache_mod
+    from conftest import make_tiny_llama
+    from icecache import IceCache, IceCacheConfig
+    from icecache.runtime.generate import icecache_attention
+
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
     monkeypatch.setattr(malloc, "_applied", None)
+    trims: list[int] = []
+    monkeypatch.setattr(cache_mod, "trim_heap", lambda: trims.append(1) or True)
+    monkeypatch.setattr(cache_mod, "TRIM_EVERY", 4)
     model = make_tiny_llama(seed=0)
-    IceCache(model.config, IceCacheConfig(budget=16, page_size=4, window=8)).close()
-    assert malloc.pinned_threshold() == malloc.DEFAULT_THRESHOLD
+    cache = IceCache(model.config, IceCacheConfig(budget=16, page_size=4, window=8, heap_policy=policy))
+    with torch.inference_mode(), icecache_attention(model):
+        out = model(torch.randint(3, 100, (1, 40)), past_key_values=cache, use_cache=True)
+        tok = out.logits[0, -1].argmax().view(1, 1)
+        for _ in range(9):
+            out = model(tok, past_key_values=cache, use_cache=True)
+            tok = out.logits[0, -1].argmax().view(1, 1)
+    cache.close()
+    assert len(trims) == (2 if policy == "trim" else 0)  # steps 4 and 8
+    assert malloc.pinned_threshold() == (malloc.DEFAULT_THRESHOLD if policy == "pin" else None)

@@ -287,7 +287,7 @@ def test_soak_20k_tokens_tiny_model(name):
     assert r["conservation_checks"] == 10 and r["host_checks"] == 10
     assert r["threads_end"] <= r["threads_start"]
     # what the cache adds per step (host KV + the pagers' index), not a leak: hnsw grew 376 KB per step here
-    # before the runtime fixed glibc's mmap threshold (icecache.runtime.malloc); 7.6 KB per step after
+    # before the runtime's heap_policy (icecache.runtime.malloc); 9.9 KB per step with the default "trim"
     assert r["rss_slope_bytes_per_step"] < 4 * (r["host_bytes_per_step"] + r["index_bytes_per_step"]) + 4096
 
 

@@ -32,7 +32,7 @@ from icecache.core.errors import CacheMisuseError, ConfigError, InputError
 from icecache.indexes.registry import make_pager
 from icecache.runtime import link
 from icecache.runtime.loader import BulkLoader
-from icecache.runtime.malloc import pin_mmap_threshold
+from icecache.runtime.malloc import pin_mmap_threshold, trim_heap
 from icecache.runtime.prefill import PrefillPipeline
 from icecache.runtime.store import HeadStore
 from icecache.runtime.timing import StageTimer
@@ -336,6 +336,10 @@ class IceCacheLayer(CacheLayerMixin):
         return sum(s.used_bytes() for row in self.stores for s in row)
 
 
+#: ``heap_policy="trim"``: decode steps between two `trim_heap` calls.
+TRIM_EVERY = 256
+
+
 class IceCache(Cache):
     """A `transformers` cache that keeps only sink + window + budget KV per sparse layer on the device.
 
@@ -350,8 +354,8 @@ class IceCache(Cache):
     ``model.generate(..., past_key_values=cache)``. Close it (or use it as a context manager) to stop
     its worker threads; `stats` reports times, bytes and memory.
 
-    Process-wide side effect: the first cache fixes glibc's mmap threshold (`icecache.runtime.malloc`), which
-    stops the resident size creeping up over long generations; ``ICECACHE_KEEP_MALLOC=1`` opts out.
+    Long generations: ``config.heap_policy`` keeps glibc's heaps from creeping up (`icecache.runtime.malloc`);
+    ``"trim"`` (default) trims them every 256 decode steps, ``"pin"`` fixes the mmap threshold process-wide.
     """
 
     def __init__(self, model_config: Any, config: IceCacheConfig | None = None, *, pager_factory: Any = None) -> None:
@@ -371,9 +375,8 @@ class IceCache(Cache):
         self.pager_factory = pager_factory or self._default_pager
         #: insert the token that will leave the window next step on a worker during this step (exact semantics)
         self.prefetch_inserts = True
-        # glibc's dynamic mmap threshold lets worker-thread heaps creep up over long generations
-        # (experiments/reliability.md); fixed once per process, opt out with ICECACHE_KEEP_MALLOC=1
-        pin_mmap_threshold()
+        if self.ice.heap_policy == "pin":
+            pin_mmap_threshold()
         self.pipeline = PrefillPipeline(self.ice.num_threads)
         self.timer = StageTimer()
         layers: list[CacheLayerMixin] = []
@@ -461,6 +464,8 @@ class IceCache(Cache):
             self._t_prefill_done = time.perf_counter()
         self.counters["steps"] += 1
         self._shared.clear()
+        if self.ice.heap_policy == "trim" and self.counters["steps"] % TRIM_EVERY == 0:
+            trim_heap()
 
     def shared_selection(self, layer_idx: int) -> dict[str, Any] | None:
         """The selection slot for IceCache(r): None when every layer selects for itself."""
