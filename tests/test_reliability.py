@@ -271,6 +271,7 @@ def test_soak_short_tiny_model():
                       prompt_tokens=150, new_tokens=250, checkpoint_every=100)
         assert report["device_bytes_constant"] and report["host_growth_exact"] and report["conservation_checks"] >= 2
         assert report["index_bytes_per_step"] >= 0 and report["host_allocated_bytes_per_step"] >= 0
+        assert 0 <= report["select_end_ms"] < report["tpot_end_ms"] and "tpot_drift_without_select" in report
 
 
 # ------------------------------------------------------------------------------------------ soak (full, slow)

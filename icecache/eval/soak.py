@@ -5,7 +5,8 @@ keep full KV and grow, by design). Between checkpoints: host KV bytes grow by ex
 sparse layer, KV head and step. At checkpoints: the conservation invariant (every position in
 exactly one of sink / window / one host page) and, optionally, host KV equal to what a full cache holds.
 Reported: RSS slope next to what the cache legitimately adds per step (host KV, and the pagers' own
-`index_bytes` estimate), thread counts, TPOT after warm-up vs at the end.
+`index_bytes` estimate), thread counts, TPOT after warm-up vs at the end, with and without the page
+selection inside each step (the part that grows with the index).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ def soak(model: Any, config: IceCacheConfig, prompt_tokens: int, new_tokens: int
     report: dict[str, Any] = {"index": config.index, "prompt_tokens": int(input_ids.shape[1]), "new_tokens": new_tokens,
                               "conservation_checks": 0, "host_checks": 0}
     step_s, rss = [], []
+    select_s: list[float] = []  # page-selection seconds inside each step (the part that grows with the index)
     index_marks: list[tuple[int, int, int]] = []  # (step, pagers' index bytes, host store allocated bytes)
     try:
         with icecache_attention(model):
@@ -72,10 +74,12 @@ def soak(model: Any, config: IceCacheConfig, prompt_tokens: int, new_tokens: int
             exact = True
             bar = tqdm(total=new_tokens, desc=f"soak {config.index}", disable=not progress, unit="tok")
             for i in range(new_tokens):
+                sel0 = cache.timer.seconds.get("select", 0.0)
                 t1 = time.perf_counter()
                 out = model(tok, past_key_values=cache, use_cache=True)
                 tok = out.logits[0, -1].argmax().view(1, 1)
                 step_s.append(time.perf_counter() - t1)
+                select_s.append(cache.timer.seconds.get("select", 0.0) - sel0)
                 dev = cache.device_kv_bytes(("sparse",))
                 if dev0 is None:
                     dev0 = dev
@@ -120,6 +124,14 @@ def soak(model: Any, config: IceCacheConfig, prompt_tokens: int, new_tokens: int
     report["tpot_warm_ms"] = float(np.median(warm) * 1000)
     report["tpot_end_ms"] = float(np.median(end) * 1000)
     report["tpot_drift"] = report["tpot_end_ms"] / report["tpot_warm_ms"] - 1.0
+    if len(select_s) == n:  # the same windows, with each step's selection time taken out
+        sel = np.asarray(select_s)
+        w0, w1 = min(50, n // 10), min(50, n // 10) + max(n // 10, 1)
+        report["select_warm_ms"] = float(np.median(sel[w0:w1]) * 1000)
+        report["select_end_ms"] = float(np.median(sel[-max(n // 10, 1):]) * 1000)
+        rest_warm = float(np.median((s - sel)[w0:w1]) * 1000)
+        rest_end = float(np.median((s - sel)[-max(n // 10, 1):]) * 1000)
+        report["tpot_drift_without_select"] = rest_end / rest_warm - 1.0
     if len(rss) >= 2:
         xs, ys = np.array([r[0] for r in rss], float), np.array([r[1] for r in rss], float)
         report["rss_slope_bytes_per_step"] = float(np.polyfit(xs, ys, 1)[0])
