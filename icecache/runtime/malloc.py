@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 import threading
 
@@ -29,7 +30,9 @@ _lock = threading.Lock()
 _applied: int | None = None
 
 
+@functools.lru_cache(maxsize=1)
 def _libc() -> ctypes.CDLL | None:
+    """glibc's handle (found once: `find_library` runs ``ldconfig``), or None elsewhere."""
     name = ctypes.util.find_library("c")
     if name is None:
         return None
