@@ -61,6 +61,7 @@ def soak(model: Any, config: IceCacheConfig, prompt_tokens: int, new_tokens: int
                               "conservation_checks": 0, "host_checks": 0}
     step_s, rss = [], []
     select_s: list[float] = []  # page-selection seconds inside each step (the part that grows with the index)
+    stages_s: list[float] = []  # seconds of all IceCache stages and of waits for its background inserts
     index_marks: list[tuple[int, int, int]] = []  # (step, pagers' index bytes, host store allocated bytes)
     try:
         with icecache_attention(model):
@@ -75,11 +76,13 @@ def soak(model: Any, config: IceCacheConfig, prompt_tokens: int, new_tokens: int
             bar = tqdm(total=new_tokens, desc=f"soak {config.index}", disable=not progress, unit="tok")
             for i in range(new_tokens):
                 sel0 = cache.timer.seconds.get("select", 0.0)
+                all0 = sum(cache.timer.seconds.values()) + cache.pipeline.wait_seconds
                 t1 = time.perf_counter()
                 out = model(tok, past_key_values=cache, use_cache=True)
                 tok = out.logits[0, -1].argmax().view(1, 1)
                 step_s.append(time.perf_counter() - t1)
                 select_s.append(cache.timer.seconds.get("select", 0.0) - sel0)
+                stages_s.append(sum(cache.timer.seconds.values()) + cache.pipeline.wait_seconds - all0)
                 dev = cache.device_kv_bytes(("sparse",))
                 if dev0 is None:
                     dev0 = dev
@@ -132,6 +135,9 @@ def soak(model: Any, config: IceCacheConfig, prompt_tokens: int, new_tokens: int
         rest_warm = float(np.median((s - sel)[w0:w1]) * 1000)
         rest_end = float(np.median((s - sel)[-max(n // 10, 1):]) * 1000)
         report["tpot_drift_without_select"] = rest_end / rest_warm - 1.0
+        ice = np.asarray(stages_s)  # what is left is the model itself (dense and sliding layers included)
+        report["model_only_warm_ms"] = float(np.median((s - ice)[w0:w1]) * 1000)
+        report["model_only_end_ms"] = float(np.median((s - ice)[-max(n // 10, 1):]) * 1000)
     if len(rss) >= 2:
         xs, ys = np.array([r[0] for r in rss], float), np.array([r[1] for r in rss], float)
         report["rss_slope_bytes_per_step"] = float(np.polyfit(xs, ys, 1)[0])
