@@ -59,7 +59,7 @@ class IceCacheConfig:
         Against glibc heap growth over long generations (``experiments/reliability.md``): ``"trim"`` (default)
         returns free heap memory to the system every 256 decode steps (``malloc_trim``; negligible cost, bounds
         most of the growth); ``"pin"`` fixes glibc's mmap threshold for the whole process (no growth measured,
-        but index builds ~30% and TPOT ~3% slower); ``"none"`` leaves the allocator alone. No-op without glibc.
+        but index builds ~40% and TPOT ~3% slower); ``"none"`` leaves the allocator alone. No-op without glibc.
     """
 
     budget: int = 256

@@ -122,22 +122,19 @@ def soak(model: Any, config: IceCacheConfig, prompt_tokens: int, new_tokens: int
         cache.close()
     s = np.asarray(step_s)
     n = len(s)
-    warm = s[min(50, n // 10) : min(50, n // 10) + max(n // 10, 1)]
-    end = s[-max(n // 10, 1) :]
-    report["tpot_warm_ms"] = float(np.median(warm) * 1000)
-    report["tpot_end_ms"] = float(np.median(end) * 1000)
+    w0 = min(50, n // 10)
+    warm, end = slice(w0, w0 + max(n // 10, 1)), slice(n - max(n // 10, 1), n)  # after warm-up; the last tenth
+
+    def ms(x: np.ndarray, window: slice) -> float:
+        return float(np.median(x[window]) * 1000)
+
+    report["tpot_warm_ms"], report["tpot_end_ms"] = ms(s, warm), ms(s, end)
     report["tpot_drift"] = report["tpot_end_ms"] / report["tpot_warm_ms"] - 1.0
-    if len(select_s) == n:  # the same windows, with each step's selection time taken out
-        sel = np.asarray(select_s)
-        w0, w1 = min(50, n // 10), min(50, n // 10) + max(n // 10, 1)
-        report["select_warm_ms"] = float(np.median(sel[w0:w1]) * 1000)
-        report["select_end_ms"] = float(np.median(sel[-max(n // 10, 1):]) * 1000)
-        rest_warm = float(np.median((s - sel)[w0:w1]) * 1000)
-        rest_end = float(np.median((s - sel)[-max(n // 10, 1):]) * 1000)
-        report["tpot_drift_without_select"] = rest_end / rest_warm - 1.0
-        ice = np.asarray(stages_s)  # what is left is the model itself (dense and sliding layers included)
-        report["model_only_warm_ms"] = float(np.median((s - ice)[w0:w1]) * 1000)
-        report["model_only_end_ms"] = float(np.median((s - ice)[-max(n // 10, 1):]) * 1000)
+    if len(select_s) == n:  # the same windows, split: selection, the rest, the model without IceCache's stages
+        sel, ice = np.asarray(select_s), np.asarray(stages_s)
+        report["select_warm_ms"], report["select_end_ms"] = ms(sel, warm), ms(sel, end)
+        report["tpot_drift_without_select"] = ms(s - sel, end) / ms(s - sel, warm) - 1.0
+        report["model_only_warm_ms"], report["model_only_end_ms"] = ms(s - ice, warm), ms(s - ice, end)
     if len(rss) >= 2:
         xs, ys = np.array([r[0] for r in rss], float), np.array([r[1] for r in rss], float)
         report["rss_slope_bytes_per_step"] = float(np.polyfit(xs, ys, 1)[0])

@@ -6,13 +6,13 @@ raises that threshold to the size of any mmapped block that is freed (up to 32 M
 come and gone (hnswlib growing a graph, a big temporary), mid-sized buffers come from the heaps; those freed
 on worker threads stay in the workers' heaps, and the resident size creeps up by tens to hundreds of KB per
 decode step (``experiments/reliability.md``: the tiny-model soak with the `hnsw` pager grew 71-318 KB per step
-in 6 of 14 runs; SmolLM2 with `mdci` 324 KB per step against 176 explained).
+in 6 of 14 runs; SmolLM2 with `mdci` 324 KB per step, 172 of them explained).
 
 * `trim_heap` (``heap_policy="trim"``, the default: every 256 decode steps) hands the free pages of every heap
   back; cheap, and it bounds most of the growth (hnsw probe: 4-30 KB per step).
 * `pin_mmap_threshold` (``"pin"``) fixes the threshold, which also stops the dynamic adjustment, so large
   blocks always go back when freed: no growth in any measured run (hnsw 20k soak 7.6 KB per step), but every
-  large allocation is a fresh mapping: index builds ~30% and decode steps ~3% slower on our CPU.
+  large allocation is a fresh mapping: index builds ~40% and decode steps ~3% slower on our CPU.
 """
 
 from __future__ import annotations
