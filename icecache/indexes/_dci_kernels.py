@@ -11,6 +11,8 @@ Storage the kernels read (owned by `icecache.indexes.dci.DCIIndex`; names used t
     ext       [cap]        float32  MIPS extra coordinate sqrt(max(msq - |x|^2, 0)); zeros in Euclidean mode
     run_key   [M, S]       float32  slab of sorted runs: the projections of a cluster's members on direction j
     run_id    [M, S]       int32    token id of each run entry
+    Xr        [S, d]       float32  the keys again, in run-0 slab order: Xr[p] = X[run_id[0, p]] at every live
+                                    run position p (a cluster search that takes a stretch of run 0 streams it)
     cl_start  [cap + 1]    int64    cluster c = node c - 1 (c = 0 is the virtual root) starts at run position
     cl_size   [cap + 1]    int64    cl_start[c] and holds cl_size[c] members, sorted by (key, id) in every run
     sub       [cap]        int64    number of descendants of each node (coverage rule)
@@ -20,7 +22,9 @@ Distance modes (ascending = better): 0 Euclidean ``min_g |x - q_g|``; 1 MIPS ``-
 between scaled-form transformed keys (DCI_SPEC.md section 4).
 
 Scratch (one set per thread, see `icecache.indexes.dci._scratch`): stamp-tagged arrays so that no
-``O(n)`` clearing is needed per query. ``stamp[0]`` is a counter that only grows.
+``O(n)`` clearing is needed per query. ``stamp[0]`` is a counter that only grows. A search's results are
+pool-ordered: ``pool_ids[i]`` is the i-th evaluated token, ``dist[i]`` its distance and ``gsc[i, g]`` its
+``<q_g, x>`` (MIPS), so a descent writes them sequentially instead of at scattered token ids.
 """
 
 from __future__ import annotations
@@ -51,40 +55,72 @@ def _sqdist(a, b) -> float:
     return s
 
 
+@njit(nogil=True, cache=True, fastmath=_FM)
+def _row_dot(A, r, Q, g) -> float:
+    """``<A[r], Q[g]>`` in float64. Rows are passed as (array, index), never as slices: a slice handed to
+    a compiled call costs two atomic reference-count updates, as much as the dot product itself."""
+    s = 0.0
+    for i in range(A.shape[1]):
+        s += np.float64(A[r, i]) * np.float64(Q[g, i])
+    return s
+
+
+@njit(nogil=True, cache=True, fastmath=_FM)
+def _row_sqdist(A, r, Q, g) -> float:
+    """``|A[r] - Q[g]|^2`` in float64."""
+    s = 0.0
+    for i in range(A.shape[1]):
+        t = np.float64(A[r, i]) - np.float64(Q[g, i])
+        s += t * t
+    return s
+
+
+@njit(nogil=True, cache=True, fastmath=_FM, inline="always")
+def _group_dots(A, r, Q, gsc, row, store_g) -> float:
+    """``max_g <q_g, A[r]>`` over the rows of ``Q`` ``[g, d]``; with ``store_g`` each ``<q_g, A[r]>`` goes
+    to ``gsc[row, g]``."""
+    best = -_INF
+    for g in range(Q.shape[0]):
+        v = 0.0
+        for i in range(A.shape[1]):
+            v += np.float64(A[r, i]) * np.float64(Q[g, i])
+        if store_g:
+            gsc[row, g] = v
+        if v > best:
+            best = v
+    return best
+
+
 @njit(nogil=True, cache=True, inline="always")
-def query_distance(t, Q, g, qext, mode, msq, X, ext) -> float:
-    """Distance (ascending = closer) of token ``t`` to query ``g`` of ``Q`` in ``mode``."""
+def query_distance(A, r, t, Q, g, qext, mode, msq, ext) -> float:
+    """Distance (ascending = closer) of token ``t``, whose key is row ``r`` of ``A`` (``X`` by id or
+    ``Xr`` by run position), to query ``g`` of ``Q`` in ``mode`` (``ext[t]`` is read in mode 2 only)."""
     if mode == 0:
-        return math.sqrt(_sqdist(X[t], Q[g]))
+        return math.sqrt(_row_sqdist(A, r, Q, g))
     if mode == 1:
-        return -_dot(X[t], Q[g])
-    v = msq - _dot(X[t], Q[g]) - np.float64(qext[g]) * np.float64(ext[t])
+        return -_row_dot(A, r, Q, g)
+    v = msq - _row_dot(A, r, Q, g) - np.float64(qext[g]) * np.float64(ext[t])
     return v if v > 0.0 else 0.0
 
 
 @njit(nogil=True, cache=True, inline="always")
-def point_distance(t, Q, qext, mode, msq, X, ext) -> float:
-    """Distance of token ``t`` to the query group ``Q`` ``[g, d]``: the minimum over the group."""
+def point_distance(A, r, t, Q, qext, mode, msq, ext) -> float:
+    """Distance of token ``t`` (key ``A[r]``) to the query group ``Q`` ``[g, d]``: the minimum over it."""
     best = _INF
     for g in range(Q.shape[0]):
-        v = query_distance(t, Q, g, qext, mode, msq, X, ext)
+        v = query_distance(A, r, t, Q, g, qext, mode, msq, ext)
         if v < best:
             best = v
     return best
 
 
 @njit(nogil=True, cache=True, inline="always")
-def evaluate(t, Q, qext, mode, msq, X, ext, gsc, store_g) -> float:
-    """`point_distance`; in MIPS mode with ``store_g`` also keep every query's ``<q_g, x>`` in ``gsc[t]``."""
-    if mode == 1 and store_g:
-        best = -_INF
-        for g in range(Q.shape[0]):
-            v = _dot(X[t], Q[g])
-            gsc[t, g] = v
-            if v > best:
-                best = v
-        return -best
-    return point_distance(t, Q, qext, mode, msq, X, ext)
+def evaluate(A, r, t, Q, qext, mode, msq, ext, gsc, row, store_g) -> float:
+    """`point_distance`; in MIPS mode with ``store_g`` also keep every query's ``<q_g, x>`` in
+    ``gsc[row]`` (``row`` = the token's pool slot)."""
+    if mode == 1:
+        return -_group_dots(A, r, Q, gsc, row, store_g)
+    return point_distance(A, r, t, Q, qext, mode, msq, ext)
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -108,16 +144,32 @@ def _choose(j, start, c, qp, run_key, lcur, rcur, cur, prio):
         prio[j] = gl
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, inline="always")
+def _takes_all(c, kk, m, num_to_visit, prop_to_visit, num_to_retrieve, prop_to_retrieve) -> bool:
+    """True when a search of a ``c``-member cluster would end only with every member a candidate (k >= c,
+    or both limits reach the whole cluster): then every member is scored, in run-0 order."""
+    if kk >= c:
+        return True
+    visit_limit = max(num_to_visit * m, int(math.ceil(prop_to_visit * c * m)) if prop_to_visit >= 0 else -1)
+    retrieve_limit = max(num_to_retrieve, int(math.ceil(prop_to_retrieve * c)) if prop_to_retrieve >= 0 else -1)
+    return retrieve_limit >= c and visit_limit >= c * m
+
+
+@njit(nogil=True, cache=True, fastmath=_FM)
 def search_cluster(
-    cidx, Q, QP, qext, mode, msq, X, ext, run_key, run_id, cl_start, cl_size,
+    cidx, Q, QP, qext, mode, msq, X, Xr, ext, run_key, run_id, cl_start, cl_size,
     L, m, kk, num_to_visit, prop_to_visit, num_to_retrieve, prop_to_retrieve,
     cnt, cnt_stamp, cand_stamp, eval_stamp, dist, stamp, desc_stamp, pool_ids, pool_n, gsc, store_g,
     cover, sub,
 ):
     """Prioritized DCI (DCI_SPEC.md section 1) over the members of cluster ``cidx``, for every query of
-    the group; every newly completed candidate gets its exact distance (once per descent, tagged with
-    ``desc_stamp``) and is appended to ``pool_ids``. Returns the new pool length.
+    the group; every newly completed candidate is appended to ``pool_ids`` with its exact distance in
+    ``dist`` (same slot; once per descent). Returns the new pool length.
+
+    Tokens of a cluster are scored from ``Xr`` (the keys in run-0 slab order) when the search takes a
+    contiguous stretch of run 0 (every member, or the one-simple-index interval): streaming reads instead
+    of one scattered row per token. Clusters are disjoint (every point is in exactly one), so those paths
+    need no per-token dedupe across clusters; the prioritized walk dedupes with ``eval_stamp``.
 
     ``kk`` is the k of the search (the stop test needs ``min(kk, c)`` candidates). The limits are relative
     to the cluster size ``c``; a negative ``num_*``/``prop_*`` disables its half of the max (the caller
@@ -130,15 +182,12 @@ def search_cluster(
         return pool_n
     visit_limit = max(num_to_visit * m, int(math.ceil(prop_to_visit * c * m)) if prop_to_visit >= 0 else -1)
     retrieve_limit = max(num_to_retrieve, int(math.ceil(prop_to_retrieve * c)) if prop_to_retrieve >= 0 else -1)
-    if kk >= c or (retrieve_limit >= c and visit_limit >= c * m):
-        # The prioritized walk would end only when every member is a candidate: evaluate them all.
+    if _takes_all(c, kk, m, num_to_visit, prop_to_visit, num_to_retrieve, prop_to_retrieve):
         for i in range(c):
             t = run_id[0, start + i]
-            if eval_stamp[t] != desc_stamp:
-                eval_stamp[t] = desc_stamp
-                dist[t] = evaluate(t, Q, qext, mode, msq, X, ext, gsc, store_g)
-                pool_ids[pool_n] = t
-                pool_n += 1
+            pool_ids[pool_n] = t
+            dist[pool_n] = evaluate(Xr, start + i, t, Q, qext, mode, msq, ext, gsc, pool_n, store_g)
+            pool_n += 1
         return pool_n
     M = L * m
     kk_eff = kk if kk < c else c
@@ -151,7 +200,9 @@ def search_cluster(
             T = kk_eff
         if T > c:
             T = c
-        for g in range(Q.shape[0]):
+        G = Q.shape[0]
+        ivl = np.empty((G, 2), np.int64)  # every query's interval [lo, hi) of run 0
+        for g in range(G):
             covered = 0
             qp = QP[g, 0]
             lo = 0
@@ -173,13 +224,23 @@ def search_cluster(
                     covered += sub[run_id[0, start + right]]
                     right += 1
                 taken += 1
-            for i in range(left + 1, right):
+            ivl[g, 0] = left + 1
+            ivl[g, 1] = right
+        # Score the union of the intervals once, in run order.
+        order = np.argsort(ivl[:, 0])
+        reach = 0
+        for oi in range(G):
+            a = ivl[order[oi], 0]
+            b = ivl[order[oi], 1]
+            if a < reach:
+                a = reach
+            for i in range(a, b):
                 t = run_id[0, start + i]
-                if eval_stamp[t] != desc_stamp:
-                    eval_stamp[t] = desc_stamp
-                    dist[t] = evaluate(t, Q, qext, mode, msq, X, ext, gsc, store_g)
-                    pool_ids[pool_n] = t
-                    pool_n += 1
+                pool_ids[pool_n] = t
+                dist[pool_n] = evaluate(Xr, start + i, t, Q, qext, mode, msq, ext, gsc, pool_n, store_g)
+                pool_n += 1
+            if b > reach:
+                reach = b
         return pool_n
     lcur = np.empty(M, np.int64)
     rcur = np.empty(M, np.int64)
@@ -226,8 +287,8 @@ def search_cluster(
                     covered += sub[t]
                     if eval_stamp[t] != desc_stamp:
                         eval_stamp[t] = desc_stamp
-                        dist[t] = evaluate(t, Q, qext, mode, msq, X, ext, gsc, store_g)
                         pool_ids[pool_n] = t
+                        dist[pool_n] = evaluate(X, t, t, Q, qext, mode, msq, ext, gsc, pool_n, store_g)
                         pool_n += 1
                 _choose(h, start, c, QP[g, h], run_key, lcur, rcur, cur, prio)
             if ncand >= kk_eff and covered >= cover and (r + 1 >= visit_limit or ncand >= retrieve_limit):
@@ -235,9 +296,9 @@ def search_cluster(
     return pool_n
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, fastmath=_FM)
 def descend(
-    Q, QP, qext, mode, msq, X, ext, run_key, run_id, cl_start, cl_size, sub,
+    Q, QP, qext, mode, msq, X, Xr, ext, run_key, run_id, cl_start, cl_size, sub,
     top_level, stop_level, L, m, F, kk, cover, cumulative,
     num_to_visit, prop_to_visit, num_to_retrieve, prop_to_retrieve,
     cnt, cnt_stamp, cand_stamp, eval_stamp, dist, stamp, pool_ids, gsc, store_g, per_query_beam,
@@ -251,7 +312,8 @@ def descend(
     group distance (the minimum over the group) is kept.
 
     Returns ``(lo, hi)``: ``pool_ids[lo:hi]`` are the evaluated tokens (all levels when ``cumulative``,
-    else only those of ``stop_level``), with distances in ``dist[token]``.
+    else only those of ``stop_level``), with distances in ``dist[lo:hi]`` (and, with ``store_g``, every
+    query's ``<q_g, x>`` in ``gsc[lo:hi]``).
     """
     stamp[0] += 1
     desc_stamp = stamp[0]
@@ -265,8 +327,20 @@ def descend(
         k_here = kk if lev == stop_level else F
         cover_here = cover if lev != stop_level else 0
         for e in range(nexp):
+            cidx = expand[e] + 1
+            c = cl_size[cidx]
+            if _takes_all(c, k_here, m, num_to_visit, prop_to_visit, num_to_retrieve, prop_to_retrieve):
+                # Every member scored: done here, not in `search_cluster` (a call with ~35 array arguments
+                # costs more than scoring a small cluster).
+                start = cl_start[cidx]
+                for i in range(c):
+                    t = run_id[0, start + i]
+                    pool_ids[pool_n] = t
+                    dist[pool_n] = evaluate(Xr, start + i, t, Q, qext, mode, msq, ext, gsc, pool_n, store_g)
+                    pool_n += 1
+                continue
             pool_n = search_cluster(
-                expand[e] + 1, Q, QP, qext, mode, msq, X, ext, run_key, run_id, cl_start, cl_size,
+                cidx, Q, QP, qext, mode, msq, X, Xr, ext, run_key, run_id, cl_start, cl_size,
                 L, m, k_here, num_to_visit, prop_to_visit, num_to_retrieve, prop_to_retrieve,
                 cnt, cnt_stamp, cand_stamp, eval_stamp, dist, stamp, desc_stamp, pool_ids, pool_n, gsc, store_g,
                 cover_here, sub,
@@ -286,11 +360,11 @@ def descend(
             for i in range(n_seg):
                 t = pool_ids[seg0 + i]
                 if G == 1:
-                    seg_d[i] = dist[t]
+                    seg_d[i] = dist[seg0 + i]
                 elif store_g:
-                    seg_d[i] = -gsc[t, g]
+                    seg_d[i] = -gsc[seg0 + i, g]
                 else:
-                    seg_d[i] = query_distance(t, Q, g, qext, mode, msq, X, ext)
+                    seg_d[i] = query_distance(X, t, t, Q, g, qext, mode, msq, ext)
             order = np.argsort(seg_d, kind="mergesort")
             covered = 0
             for i in range(n_seg):
@@ -311,7 +385,7 @@ def descend(
 
 @njit(nogil=True, cache=True)
 def rank_pages(
-    Q, QP, X, run_key, run_id, cl_start, cl_size, sub, top_level, L, m, F, kk, cover,
+    Q, QP, X, Xr, run_key, run_id, cl_start, cl_size, sub, top_level, L, m, F, kk, cover,
     num_to_visit, prop_to_visit, num_to_retrieve, prop_to_retrieve,
     cnt, cnt_stamp, cand_stamp, eval_stamp, dist, stamp, pool_ids, gsc, per_query_beam,
     page_of, page_sizes, budget, mass, scale, page_best, page_stamp, page_list, out_pages, out_scores,
@@ -325,7 +399,7 @@ def rank_pages(
     dummy = np.zeros(1, np.float32)
     G = Q.shape[0]
     lo, hi = descend(
-        Q, QP, dummy, 1, 0.0, X, dummy, run_key, run_id, cl_start, cl_size, sub,
+        Q, QP, dummy, 1, 0.0, X, Xr, dummy, run_key, run_id, cl_start, cl_size, sub,
         top_level, 0, L, m, F, kk, cover, True,
         num_to_visit, prop_to_visit, num_to_retrieve, prop_to_retrieve,
         cnt, cnt_stamp, cand_stamp, eval_stamp, dist, stamp, pool_ids, gsc, True, per_query_beam,
@@ -333,10 +407,9 @@ def rank_pages(
     best_g = np.full(G, -_INF)
     if mass:
         for i in range(lo, hi):
-            t = pool_ids[i]
             for g in range(G):
-                if gsc[t, g] > best_g[g]:
-                    best_g[g] = gsc[t, g]
+                if gsc[i, g] > best_g[g]:
+                    best_g[g] = gsc[i, g]
     stamp[0] += 1
     s = stamp[0]
     npg = 0
@@ -346,9 +419,9 @@ def rank_pages(
         if mass:
             sc = 0.0
             for g in range(G):
-                sc += math.exp(scale * (gsc[t, g] - best_g[g]))
+                sc += math.exp(scale * (gsc[i, g] - best_g[g]))
         else:
-            sc = -dist[t]
+            sc = -dist[i]
         if page_stamp[p] != s:
             page_stamp[p] = s
             page_best[p] = sc
@@ -391,7 +464,7 @@ def rank_pages(
 
 @njit(nogil=True, cache=True)
 def assign_parents(
-    nodes, X, ext, proj, mode, msq, run_key, run_id, cl_start, cl_size, sub,
+    nodes, X, Xr, ext, proj, mode, msq, run_key, run_id, cl_start, cl_size, sub,
     top_level, stop_level, L, m, F,
     num_to_visit, prop_to_visit, num_to_retrieve, prop_to_retrieve,
     cnt, cnt_stamp, cand_stamp, eval_stamp, dist, stamp, pool_ids, gsc, out_parent, out_dist,
@@ -410,7 +483,7 @@ def assign_parents(
             QP[0, j] = proj[t, j]
         qext[0] = ext[t]
         lo, hi = descend(
-            Q, QP, qext, mode, msq, X, ext, run_key, run_id, cl_start, cl_size, sub,
+            Q, QP, qext, mode, msq, X, Xr, ext, run_key, run_id, cl_start, cl_size, sub,
             top_level, stop_level, L, m, F, 1, 0, False,
             num_to_visit, prop_to_visit, num_to_retrieve, prop_to_retrieve,
             cnt, cnt_stamp, cand_stamp, eval_stamp, dist, stamp, pool_ids, gsc, False, False,
@@ -419,7 +492,7 @@ def assign_parents(
         bd = _INF
         for a in range(lo, hi):
             u = pool_ids[a]
-            du = dist[u]
+            du = dist[a]
             if du < bd or (du == bd and u < best):
                 bd = du
                 best = u
@@ -457,9 +530,10 @@ def md_schedule(n, counts, nxt, p0, p1, cap0, cap1, out_level, out_new_top):
 
 
 @njit(nogil=True, cache=True)
-def cluster_insert(run_key, run_id, start, size, keys, tid):
-    """Insert token ``tid`` with projections ``keys`` ``[M]`` into the cluster block at ``start`` (holding
-    ``size`` members, capacity > size) keeping every run sorted by (key, id). Returns its run-0 position."""
+def cluster_insert(run_key, run_id, Xr, start, size, keys, tid, x):
+    """Insert token ``tid`` (key row ``x`` ``[d]``, projections ``keys`` ``[M]``) into the cluster block at
+    ``start`` (holding ``size`` members, capacity > size) keeping every run sorted by (key, id) and ``Xr``
+    in run-0 order. Returns its run-0 position."""
     pos0 = 0
     for j in range(run_key.shape[0]):
         kv = keys[j]
@@ -479,12 +553,16 @@ def cluster_insert(run_key, run_id, start, size, keys, tid):
         run_id[j, start + lo] = tid
         if j == 0:
             pos0 = lo
+            for a in range(size, lo, -1):
+                Xr[start + a] = Xr[start + a - 1]
+            Xr[start + lo] = x
     return pos0
 
 
 @njit(nogil=True, cache=True)
-def cluster_remove(run_key, run_id, start, size, tid):
-    """Remove token ``tid`` from every run of the cluster block at ``start`` (``size`` members)."""
+def cluster_remove(run_key, run_id, Xr, start, size, tid):
+    """Remove token ``tid`` from every run of the cluster block at ``start`` (``size`` members), and its
+    row from ``Xr``."""
     for j in range(run_key.shape[0]):
         a = 0
         while a < size and run_id[j, start + a] != tid:
@@ -494,6 +572,9 @@ def cluster_remove(run_key, run_id, start, size, tid):
         for b in range(a, size - 1):
             run_key[j, start + b] = run_key[j, start + b + 1]
             run_id[j, start + b] = run_id[j, start + b + 1]
+        if j == 0:
+            for b in range(a, size - 1):
+                Xr[start + b] = Xr[start + b + 1]
 
 
 @njit(nogil=True, cache=True)

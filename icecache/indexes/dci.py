@@ -385,6 +385,7 @@ class DCIIndex:
         self._cl_cap = np.zeros(1, np.int64)
         self._run_key = np.zeros((M, 0), np.float32)
         self._run_id = np.zeros((M, 0), np.int32)
+        self._Xr = np.zeros((0, self.dim), np.float32)  # keys in run-0 slab order (see _dci_kernels)
         self._slab_used = 0
         self._msq = 0.0
         self._members: list[np.ndarray] = []  # per level: ids (ascending), growable
@@ -446,9 +447,11 @@ class DCIIndex:
             M = self._run_key.shape[0]
             rk = np.zeros((M, cap), np.float32)
             ri = np.full((M, cap), -1, np.int32)
+            xr = np.zeros((cap, self.dim), np.float32)
             rk[:, : self._slab_used] = self._run_key[:, : self._slab_used]
             ri[:, : self._slab_used] = self._run_id[:, : self._slab_used]
-            self._run_key, self._run_id = rk, ri
+            xr[: self._slab_used] = self._Xr[: self._slab_used]
+            self._run_key, self._run_id, self._Xr = rk, ri, xr
         self._slab_used = need
         return starts
 
@@ -462,8 +465,10 @@ class DCIIndex:
         dst = np.repeat(new_starts, sizes) + (np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes))
         rk = self._run_key[:, src]
         ri = self._run_id[:, src]
+        xr = self._Xr[src]
         self._run_key[:, dst] = rk
         self._run_id[:, dst] = ri
+        self._Xr[dst] = xr
         self._cl_start[cids] = new_starts
         self._slab_used = int(caps.sum())
 
@@ -552,7 +557,7 @@ class DCIIndex:
         out_p = np.empty(len(nodes), np.int64)
         out_d = np.empty(len(nodes), np.float64)
         K.assign_parents(
-            np.ascontiguousarray(nodes, np.int64), self._X, self._ext, self._proj, self._mode_kk, float(self._msq),
+            np.ascontiguousarray(nodes, np.int64), self._X, self._Xr, self._ext, self._proj, self._mode_kk, float(self._msq),
             self._run_key, self._run_id, self._cl_start, self._cl_size, self._sub,
             self.num_levels - 1, level + 1, self.params.num_comp_indices, self.params.num_simp_indices, int(cfg.field_of_view),
             ntv, ptv, ntr, ptr, s.cnt, s.cnt_stamp, s.cand_stamp, s.eval_stamp, s.dist, s.stamp, s.pool, s.gsc, out_p, out_d,
@@ -639,6 +644,8 @@ class DCIIndex:
             pos = self._cl_start[cc] + rank
             self._run_key[j, pos] = self._proj[ch, j]
             self._run_id[j, pos] = ch
+            if j == 0:
+                self._Xr[pos] = self._X[ch]
 
     def _cluster_run0(self, cid: int) -> np.ndarray:
         s, c = int(self._cl_start[cid]), int(self._cl_size[cid])
@@ -772,7 +779,7 @@ class DCIIndex:
         semantic = self.table is not None and self.params.page_split == "2means" and size > 0
         if semantic:
             before = self._run_id[0, start : start + size].astype(np.int64)
-        pos = int(K.cluster_insert(self._run_key, self._run_id, start, size, self._proj[x], x))
+        pos = int(K.cluster_insert(self._run_key, self._run_id, self._Xr, start, size, self._proj[x], x, self._X[x]))
         self._cl_size[cid] = size + 1
         if self.table is None:
             return
@@ -817,6 +824,7 @@ class DCIIndex:
         new = int(self._slab_alloc(np.array([cap]))[0])
         self._run_key[:, new : new + size] = self._run_key[:, old : old + size]
         self._run_id[:, new : new + size] = self._run_id[:, old : old + size]
+        self._Xr[new : new + size] = self._Xr[old : old + size]
         self._cl_start[cid] = new
         self._cl_cap[cid] = cap
 
@@ -835,7 +843,7 @@ class DCIIndex:
             y = int(y)
             op = int(self._parent[y])
             cid = op + 1
-            K.cluster_remove(self._run_key, self._run_id, int(self._cl_start[cid]), int(self._cl_size[cid]), y)
+            K.cluster_remove(self._run_key, self._run_id, self._Xr, int(self._cl_start[cid]), int(self._cl_size[cid]), y)
             self._cl_size[cid] -= 1
             self._path_add(op, -(1 + int(self._sub[y])))
             moved += 1 + int(self._sub[y])
@@ -863,6 +871,8 @@ class DCIIndex:
             order = np.lexsort((members, self._proj[members, j]))
             self._run_key[j, start : start + len(members)] = self._proj[members[order], j]
             self._run_id[j, start : start + len(members)] = members[order]
+            if j == 0:
+                self._Xr[start : start + len(members)] = self._X[members[order]]
         self._cl_size[cid] = len(members)
 
     # ------------------------------------------------------------------ queries
@@ -895,7 +905,7 @@ class DCIIndex:
         ntv, ptv, ntr, ptr = cfg.limits("query")
         s = _scratch(self._cap, self.params.num_comp_indices)
         lo, hi = K.descend(
-            Q, self._query_proj(Q), np.zeros(Q.shape[0], np.float32), self._mode_q, float(self._msq), self._X, self._ext,
+            Q, self._query_proj(Q), np.zeros(Q.shape[0], np.float32), self._mode_q, float(self._msq), self._X, self._Xr, self._ext,
             self._run_key, self._run_id, self._cl_start, self._cl_size, self._sub,
             self.num_levels - 1, 0, self.params.num_comp_indices, self.params.num_simp_indices, int(F), int(k),
             int(k) if k > 1 else 0, True, ntv, ptv, ntr, ptr,
@@ -903,7 +913,7 @@ class DCIIndex:
             self.params.group_beam == "per-query",
         )
         ids = s.pool[lo:hi].copy()
-        d = s.dist[ids]
+        d = s.dist[lo:hi].copy()
         order = np.lexsort((ids, d))[: min(k, len(ids))]
         return ids[order], d[order]
 
@@ -923,7 +933,7 @@ class DCIIndex:
         ntv, ptv, ntr, ptr = self.params.query.limits("query")
         scale = self.params.score_scale if self.params.score_scale is not None else 1.0 / math.sqrt(self.dim)
         j = K.rank_pages(
-            Q, self._query_proj(Q), self._X, self._run_key, self._run_id, self._cl_start, self._cl_size, self._sub,
+            Q, self._query_proj(Q), self._X, self._Xr, self._run_key, self._run_id, self._cl_start, self._cl_size, self._sub,
             self.num_levels - 1, self.params.num_comp_indices, self.params.num_simp_indices, self.field_of_view(), kk,
             int(budget), ntv, ptv, ntr, ptr,
             s.cnt, s.cnt_stamp, s.cand_stamp, s.eval_stamp, s.dist, s.stamp, s.pool, s.gsc,
@@ -965,12 +975,14 @@ class DCIIndex:
 
     def index_bytes(self) -> int:
         """Bytes of the index structures for the current points (directions, projections, sorted runs
-        including their spare capacity, tree arrays, page table); not counting the stored vectors (the keys
-        themselves) nor the per-thread query scratch."""
+        including their spare capacity, the run-ordered copy of the keys the searches stream, tree arrays,
+        page table); not counting the stored vectors by id (the keys themselves) nor the per-thread query
+        scratch."""
         n = self._n
         M = self.params.num_directions
         b = self._dirs.nbytes + n * M * 4  # projections
         b += self._slab_used * M * (4 + 4)  # run keys + ids
+        b += self._slab_used * self.dim * 4  # keys in run-0 order
         b += (n + 1) * 3 * 8  # cluster start/size/capacity
         b += n * (4 + 8 + 8 + 8)  # level, parent, parent distance, descendants
         if self._mips:
@@ -1020,6 +1032,9 @@ class DCIIndex:
                 tie = keys[:-1] == keys[1:]
                 assert (ids[:-1][tie] < ids[1:][tie]).all(), f"run {j} of cluster {node}: ties not ordered by id"
                 assert np.array_equal(keys, self._proj[ids, j]), "run keys differ from projections"
+                if j == 0:
+                    s0 = int(self._cl_start[cid])
+                    assert np.array_equal(self._Xr[s0 : s0 + len(ids)], self._X[ids]), f"run-ordered keys of cluster {node} are stale"
                 srt = np.sort(ids)
                 if kids0 is None:
                     kids0 = srt
