@@ -72,6 +72,37 @@ def test_random_operations_keep_invariants_and_journal(page_size, ops):
         assert (t.slot_of(pos) == np.arange(len(pos))).all()
 
 
+@given(page_size=st.integers(1, 6), ops=ops, budget=st.integers(0, 40), seed=st.integers(0, 2**16))
+def test_take_within_budget_matches_the_budget_rule_and_csr(page_size, ops, budget, seed):
+    """The compiled budget rule + CSR equals the reference (prefix sums of sizes, then `csr`)."""
+    from icecache.core.pager import take_within_budget
+
+    t = PageTable(page_size)
+    next_pos = 0
+    for op, r in ops:  # a table with splits and removals (free ids in between live ones)
+        ids = t.page_ids()
+        if op in ("new", "append", "move") or len(ids) == 0:
+            k = 1 + r % page_size
+            t.new_page(range(next_pos, next_pos + k))
+            next_pos += k
+        elif op == "split" and t.size(int(ids[r % len(ids)])) >= 2:
+            t.split(int(ids[r % len(ids)]))
+        elif op == "remove":
+            pos = t.positions(int(ids[r % len(ids)]))
+            t.remove(int(pos[r % len(pos)]))
+    ranked = np.random.default_rng(seed).permutation(t.page_ids())
+    j, indptr, pos = t.take_within_budget(ranked, budget)
+    assert j == take_within_budget(t.sizes(ranked), budget)
+    ref_indptr, ref_pos = t.csr(ranked[:j])
+    assert np.array_equal(indptr, ref_indptr) and np.array_equal(pos, ref_pos)
+    free = [i for i in range(t.id_capacity) if i not in set(t.page_ids().tolist())]
+    if free:
+        with pytest.raises(KeyError):
+            t.take_within_budget(np.array([free[0]]), budget)
+    with pytest.raises(KeyError):
+        t.take_within_budget(np.array([t.id_capacity]), budget)
+
+
 def test_free_ids_are_recycled_last_in_first_out():
     t = PageTable(4)
     a, b, c = t.new_page([0]), t.new_page([1]), t.new_page([2])

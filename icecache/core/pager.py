@@ -165,6 +165,20 @@ class SemanticPager(ABC):
 
         ``check=False`` skips input validation (see `insert`).
         """
+        pages, indptr, positions, scores = self.select_arrays(queries, budget, check=check)
+        return PageSelection(
+            pages=torch.from_numpy(pages),
+            indptr=torch.from_numpy(indptr),
+            positions=torch.from_numpy(positions),
+            scores=torch.from_numpy(scores),
+        )
+
+    def select_arrays(
+        self, queries: ArrayLike, budget: int, *, check: bool = True
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """`select` as numpy arrays ``(pages int64 [k], indptr int64 [k+1], positions int64 [indptr[-1]],
+        scores float32 [k])``, the fields of `PageSelection`; the runtime's per-step path (no tensor
+        wrapping)."""
         if check:
             if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or budget < 0:
                 raise InputError(f"budget must be an int >= 0, got {budget!r}")
@@ -174,18 +188,12 @@ class SemanticPager(ABC):
         else:
             q = queries
         if self._n == 0 or budget == 0:
-            return PageSelection.empty()
+            z = np.zeros(0, np.int64)
+            return z, np.zeros(1, np.int64), z.copy(), np.zeros(0, np.float32)
         page_ids, scores = self._rank_pages(q, int(budget))
         page_ids = np.asarray(page_ids, dtype=np.int64)
-        sizes = self.table.sizes(page_ids)
-        j = take_within_budget(sizes, int(budget))
-        indptr, positions = self.table.csr(page_ids[:j])
-        return PageSelection(
-            pages=torch.from_numpy(page_ids[:j].copy()),
-            indptr=torch.from_numpy(indptr),
-            positions=torch.from_numpy(positions),
-            scores=torch.as_tensor(np.asarray(scores, dtype=np.float32)[:j].copy()),
-        )
+        j, indptr, positions = self.table.take_within_budget(page_ids, int(budget))
+        return page_ids[:j].copy(), indptr, positions, np.asarray(scores, dtype=np.float32)[:j].copy()
 
     def pages(self) -> dict[int, torch.Tensor]:
         """``{page id: positions (LongTensor, slot order)}`` for every page."""

@@ -28,6 +28,34 @@ from __future__ import annotations
 from typing import Iterable, NamedTuple, Sequence
 
 import numpy as np
+from numba import njit
+
+
+@njit(nogil=True, cache=True)
+def _budget_csr(members, sizes, num_ids, ids, budget):
+    """The budget rule and CSR positions in one pass (see `PageTable.take_within_budget`). Returns
+    ``(j, indptr [j + 1], positions [indptr[j]])``; ``j == -1`` when some id is not a live page."""
+    k = ids.shape[0]
+    indptr = np.zeros(k + 1, np.int64)
+    j = 0
+    total = 0
+    for i in range(k):
+        p = ids[i]
+        if p < 0 or p >= num_ids or sizes[p] < 0:
+            return -1, indptr, np.zeros(0, np.int64)
+        if total + sizes[p] > budget:
+            break
+        total += sizes[p]
+        j += 1
+        indptr[j] = total
+    pos = np.empty(total, np.int64)
+    o = 0
+    for i in range(j):
+        p = ids[i]
+        for sl in range(sizes[p]):
+            pos[o] = members[p, sl]
+            o += 1
+    return j, indptr[: j + 1].copy(), pos
 
 
 class Move(NamedTuple):
@@ -136,6 +164,17 @@ class PageTable:
         rows = self.members[ids]
         flat = rows[np.arange(self.page_size)[None, :] < sizes[:, None]]
         return indptr, flat
+
+    def take_within_budget(self, page_ids: np.ndarray, budget: int) -> tuple[int, np.ndarray, np.ndarray]:
+        """The budget rule on ranked live pages: the longest prefix of ``page_ids`` whose sizes sum to at
+        most ``budget`` (stopping at the first page that does not fit), as ``(j, indptr [j+1],
+        positions [indptr[-1]])`` (the `csr` of ``page_ids[:j]``). One compiled pass: this runs for every
+        (layer, KV head) at every decode step."""
+        ids = np.ascontiguousarray(page_ids, dtype=np.int64)
+        j, indptr, pos = _budget_csr(self.members, self.sizes_, self._num_ids, ids, int(budget))
+        if j < 0:
+            raise KeyError(f"not all of {ids.tolist()[:8]}... are live page ids")
+        return int(j), indptr, pos
 
     # ------------------------------------------------------------------ mutations
     def new_page(self, positions: Iterable[int] = ()) -> int:

@@ -123,6 +123,29 @@ def evaluate(A, r, t, Q, qext, mode, msq, ext, gsc, row, store_g) -> float:
     return point_distance(A, r, t, Q, qext, mode, msq, ext)
 
 
+@njit(nogil=True, cache=True, fastmath=_FM)
+def query_projections(Q, dirs, c, mips):
+    """Projections ``[g, M]`` float64 of the queries ``Q`` ``[g, d]`` on ``dirs[:, :d]``; with ``mips`` of
+    ``c q / |q|`` (a zero query projects to 0). See `icecache.indexes.dci.DCIIndex._query_proj`."""
+    G, d = Q.shape
+    M = dirs.shape[0]
+    out = np.empty((G, M), np.float64)
+    for a in range(G):
+        sc = 1.0
+        if mips:
+            nrm = 0.0
+            for i in range(d):
+                nrm += np.float64(Q[a, i]) * np.float64(Q[a, i])
+            nrm = math.sqrt(nrm)
+            sc = c / nrm if nrm > 0.0 else 0.0
+        for j in range(M):
+            v = 0.0
+            for i in range(d):
+                v += np.float64(Q[a, i]) * dirs[j, i]
+            out[a, j] = v * sc
+    return out
+
+
 @njit(nogil=True, cache=True, inline="always")
 def _choose(j, start, c, qp, run_key, lcur, rcur, cur, prio):
     """Offer the next element of simple index ``j``: the closer of the two cursor neighbours (ties left)."""

@@ -504,12 +504,7 @@ class DCIIndex:
         projects to 0). MD projects ``q / |q|`` (norm 1) against keys of norm c, which leaves the nearest
         neighbour unchanged but makes the prioritized walk's order unrelated to ``<q, k>`` (DCI_SPEC.md
         section 6); at norm c the walk is a true L2 walk towards ``[c q / |q|, 0]`` in the lifted space."""
-        q = Q.astype(np.float64)
-        if self._mips:
-            norm = np.linalg.norm(q, axis=1, keepdims=True)
-            q = np.where(norm > 0, q / np.where(norm > 0, norm, 1.0), 0.0) * math.sqrt(self._msq)
-            return np.ascontiguousarray(q @ self._dirs[:, : self.dim].T)
-        return np.ascontiguousarray(q @ self._dirs.T)
+        return K.query_projections(np.ascontiguousarray(Q, np.float32), self._dirs, math.sqrt(self._msq), self._mips)
 
     def point_distance(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         """Point-to-point distance used for parents, elementwise over id arrays ``a``, ``b`` (float64):

@@ -296,12 +296,11 @@ class IceCacheLayer(CacheLayerMixin):
                     for h in range(H):
                         pager = self.pagers[b][h]
                         if cfg.gqa == "union":
-                            sel = pager.select(q_host[b, h], self.budget, check=False)
-                            pos, ip, pages = sel.positions.numpy(), sel.indptr.numpy(), sel.pages.numpy()
+                            pages, ip, pos, _ = pager.select_arrays(q_host[b, h], self.budget, check=False)
                         else:  # every query head picks budget // n_rep tokens; attend the union
-                            sels = [pager.select(q_host[b, h, g : g + 1], self.budget // n_rep, check=False) for g in range(n_rep)]
-                            pages, keep = np.unique(np.concatenate([s.pages.numpy() for s in sels]), return_index=True)
-                            pages = np.concatenate([s.pages.numpy() for s in sels])[np.sort(keep)]
+                            sels = [pager.select_arrays(q_host[b, h, g : g + 1], self.budget // n_rep, check=False)[0] for g in range(n_rep)]
+                            pages, keep = np.unique(np.concatenate(sels), return_index=True)
+                            pages = np.concatenate(sels)[np.sort(keep)]
                             ip, pos = pager.table.csr(pages)
                         prow.append(pos)
                         irow.append(ip)

@@ -19,9 +19,69 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from numba import njit
 
 from icecache.runtime.store import HeadStore
 from icecache.runtime.timing import StageTimer
+
+
+@njit(nogil=True, cache=True)
+def _assign_slots(pos, slot_of_pos, slot_pos, indptr):
+    """Residency update of one (row, KV head): make exactly ``pos`` resident in the budget slots.
+
+    Slots whose position is not in ``pos`` are freed; positions not yet resident take the free slots in
+    ascending order (both maps ``slot_of_pos`` / ``slot_pos`` updated in place). ``indptr`` (CSR page
+    offsets of ``pos``; length <= 1 for none) counts the pages whose every token was already resident.
+    Returns ``(new positions, their slots, pages, pages reused)``; pages == -1 when ``pos`` does not fit.
+    """
+    budget = slot_pos.shape[0]
+    n = pos.shape[0]
+    kept = np.empty(n, np.bool_)
+    keep_slot = np.zeros(budget, np.bool_)
+    n_new = 0
+    for i in range(n):
+        sl = slot_of_pos[pos[i]]
+        kept[i] = sl >= 0
+        if sl >= 0:
+            keep_slot[sl] = True
+        else:
+            n_new += 1
+    pages = 0
+    reused = 0
+    if indptr.shape[0] > 1 and n > 0:
+        pages = indptr.shape[0] - 1
+        for p in range(pages):
+            whole = True
+            for i in range(indptr[p], indptr[p + 1]):
+                if not kept[i]:
+                    whole = False
+                    break
+            if whole:
+                reused += 1
+    for sl in range(budget):
+        if not keep_slot[sl] and slot_pos[sl] >= 0:
+            slot_of_pos[slot_pos[sl]] = -1
+            slot_pos[sl] = -1
+    new = np.empty(n_new, np.int64)
+    slots = np.empty(n_new, np.int64)
+    k = 0
+    sl = 0
+    for i in range(n):
+        if kept[i]:
+            continue
+        while sl < budget and slot_pos[sl] >= 0:
+            sl += 1
+        if sl == budget:
+            return new, slots, -1, 0
+        slot_pos[sl] = pos[i]
+        slot_of_pos[pos[i]] = sl
+        new[k] = pos[i]
+        slots[k] = sl
+        k += 1
+    return new, slots, pages, reused
+
+
+_NO_INDPTR = np.zeros(0, np.int64)
 
 
 @dataclass
@@ -94,26 +154,15 @@ class BulkLoader:
                         grown = np.full(max(int(pos.max()) + 1, 2 * len(sop), 64), -1, dtype=np.int64)
                         grown[: len(sop)] = sop
                         sop = self._slot_of_pos[b][h] = grown
-                    sp = self.slot_pos[b, h]
-                    res = sop[pos] if len(pos) else np.zeros(0, dtype=np.int64)
-                    kept = res >= 0
                     ip = indptrs[b][h]
-                    head_sel = head_reused = 0
-                    if ip is not None and len(ip) > 1 and len(pos):
-                        head_sel = len(ip) - 1
-                        head_reused = int(np.count_nonzero(np.add.reduceat(~kept, ip[:-1]) == 0))
+                    new, slots, head_sel, head_reused = _assign_slots(
+                        np.ascontiguousarray(pos, dtype=np.int64), sop, self.slot_pos[b, h],
+                        _NO_INDPTR if ip is None else np.ascontiguousarray(ip, dtype=np.int64),
+                    )
+                    if head_sel < 0:
+                        raise AssertionError(f"selection of {len(pos)} tokens larger than the budget ({budget})")
                     pages_sel += head_sel
                     pages_reused += head_reused
-                    keep_slot = np.zeros(budget, dtype=bool)
-                    keep_slot[res[kept]] = True
-                    freed = np.flatnonzero(~keep_slot & (sp >= 0))
-                    sop[sp[freed]] = -1
-                    sp[freed] = -1
-                    new = pos[~kept]
-                    slots = np.flatnonzero(sp < 0)[: len(new)]
-                    assert len(slots) == len(new), "selection larger than the budget"
-                    sp[slots] = new
-                    sop[new] = slots
                     per_head.append((b, h, head_sel, head_reused, len(new)))
                     if len(new):
                         srcs.append((stores[b][h], stores[b][h].flat_index(new), n_new))
