@@ -35,6 +35,8 @@ def main() -> int:
     ap.add_argument("--model-tokens", type=int, default=20000)
     ap.add_argument("--model-prompt", type=int, default=4000)
     ap.add_argument("--checkpoint-every", type=int, default=2000)
+    ap.add_argument("--tiny-dense-layers", default="0",
+                    help="comma list of the tiny model's layers that keep full KV ('' for none: every layer sparse)")
     ap.add_argument("--out", default="experiments/reliability")
     args = ap.parse_args()
     out = Path(args.out)
@@ -46,7 +48,8 @@ def main() -> int:
     tiny = make_tiny_llama(seed=0, max_position_embeddings=1 << 16)
     pagers = icecache.available_pagers() if args.tiny_pagers == "all" else args.tiny_pagers.split(",")
     for name in pagers if args.tiny_tokens else []:
-        cfg = IceCacheConfig(index=name, budget=64, page_size=8, sink=4, window=32, dense_layers=(0,))
+        dense = tuple(int(x) for x in args.tiny_dense_layers.split(",") if x.strip())
+        cfg = IceCacheConfig(index=name, budget=64, page_size=8, sink=4, window=32, dense_layers=dense)
         r = soak(tiny, cfg, prompt_tokens=1024, new_tokens=args.tiny_tokens, checkpoint_every=args.checkpoint_every,
                  verify_host=True, progress=True)
         r["model"] = "tiny-random-llama"

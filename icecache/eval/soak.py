@@ -58,10 +58,11 @@ def soak(model: Any, config: IceCacheConfig, prompt_tokens: int, new_tokens: int
         cache.update = recording_update
     sparse = [i for i, k in enumerate(cache.kind) if k == "sparse"]
     report: dict[str, Any] = {"index": config.index, "prompt_tokens": int(input_ids.shape[1]), "new_tokens": new_tokens,
-                              "conservation_checks": 0, "host_checks": 0}
+                              "conservation_checks": 0, "host_checks": 0, "dense_layers": list(config.dense_layers)}
     step_s, rss = [], []
     select_s: list[float] = []  # page-selection seconds inside each step (the part that grows with the index)
     stages_s: list[float] = []  # seconds of all IceCache stages and of waits for its background inserts
+    index_s: list[float] = []  # select + insert + waits for background inserts: the work that grows with the index
     index_marks: list[tuple[int, int, int]] = []  # (step, pagers' index bytes, host store allocated bytes)
     try:
         with icecache_attention(model):
@@ -77,12 +78,15 @@ def soak(model: Any, config: IceCacheConfig, prompt_tokens: int, new_tokens: int
             for i in range(new_tokens):
                 sel0 = cache.timer.seconds.get("select", 0.0)
                 all0 = sum(cache.timer.seconds.values()) + cache.pipeline.wait_seconds
+                idx0 = sel0 + cache.timer.seconds.get("insert", 0.0) + cache.pipeline.wait_seconds
                 t1 = time.perf_counter()
                 out = model(tok, past_key_values=cache, use_cache=True)
                 tok = out.logits[0, -1].argmax().view(1, 1)
                 step_s.append(time.perf_counter() - t1)
                 select_s.append(cache.timer.seconds.get("select", 0.0) - sel0)
                 stages_s.append(sum(cache.timer.seconds.values()) + cache.pipeline.wait_seconds - all0)
+                index_s.append(cache.timer.seconds.get("select", 0.0) + cache.timer.seconds.get("insert", 0.0)
+                               + cache.pipeline.wait_seconds - idx0)
                 dev = cache.device_kv_bytes(("sparse",))
                 if dev0 is None:
                     dev0 = dev
@@ -135,6 +139,9 @@ def soak(model: Any, config: IceCacheConfig, prompt_tokens: int, new_tokens: int
         report["select_warm_ms"], report["select_end_ms"] = ms(sel, warm), ms(sel, end)
         report["tpot_drift_without_select"] = ms(s - sel, end) / ms(s - sel, warm) - 1.0
         report["model_only_warm_ms"], report["model_only_end_ms"] = ms(s - ice, warm), ms(s - ice, end)
+        ix = np.asarray(index_s)
+        report["index_warm_ms"], report["index_end_ms"] = ms(ix, warm), ms(ix, end)
+        report["tpot_drift_without_index"] = ms(s - ix, end) / ms(s - ix, warm) - 1.0
     if len(rss) >= 2:
         xs, ys = np.array([r[0] for r in rss], float), np.array([r[1] for r in rss], float)
         report["rss_slope_bytes_per_step"] = float(np.polyfit(xs, ys, 1)[0])

@@ -24,12 +24,38 @@ class SequentialPager(SemanticPager):
 
     def __init__(self, head_dim: int, page_size: int = 16, seed: int = 0, *, record_moves: bool = False) -> None:
         super().__init__(head_dim, page_size, seed, record_moves=record_moves)
-        self._kmin = torch.zeros(0, head_dim)  # [num_pages, d]
-        self._kmax = torch.zeros(0, head_dim)
+        self._reset_bounds()
+
+    def _reset_bounds(self) -> None:
+        # Capacity-doubling buffers [capacity, d]; rows [0, self._pages) are live. Appending a page copies
+        # nothing old (a torch.cat per page made every insert O(n) and slowed long generations).
+        self._lo = torch.zeros(0, self.head_dim)
+        self._hi = torch.zeros(0, self.head_dim)
+        self._pages = 0
+
+    @property
+    def _kmin(self) -> torch.Tensor:
+        return self._lo[: self._pages]
+
+    @property
+    def _kmax(self) -> torch.Tensor:
+        return self._hi[: self._pages]
+
+    def _add_bounds(self, lo: torch.Tensor, hi: torch.Tensor) -> None:
+        need = self._pages + lo.shape[0]
+        if need > self._lo.shape[0]:
+            cap = max(need, 2 * self._lo.shape[0], 64)
+            for name in ("_lo", "_hi"):
+                old = getattr(self, name)
+                new = torch.empty(cap, self.head_dim)
+                new[: self._pages] = old[: self._pages]
+                setattr(self, name, new)
+        self._lo[self._pages : need] = lo
+        self._hi[self._pages : need] = hi
+        self._pages = need
 
     def _build(self, keys: torch.Tensor) -> None:
-        self._kmin = torch.zeros(0, self.head_dim)
-        self._kmax = torch.zeros(0, self.head_dim)
+        self._reset_bounds()
         self._append(keys, 0)
 
     def _insert(self, keys: torch.Tensor, start: int) -> None:
@@ -42,14 +68,14 @@ class SequentialPager(SemanticPager):
             return
         taken = 0
         fill = (P - start % P) % P  # room left in the last (partial) page
-        if fill and self._kmin.shape[0]:
+        if fill and self._pages:
             taken = min(fill, m)
-            last = self._kmin.shape[0] - 1
+            last = self._pages - 1
             page_id = int(self.table.page_of(start - 1))
             for p in range(start, start + taken):
                 self.table.append(page_id, p)
             chunk = keys[:taken]
-            lo, hi = self._kmin[last], self._kmax[last]
+            lo, hi = self._lo[last], self._hi[last]
             torch.minimum(lo, chunk.amin(0), out=lo)
             torch.maximum(hi, chunk.amax(0), out=hi)
         rest = keys[taken:]
@@ -62,8 +88,7 @@ class SequentialPager(SemanticPager):
         pad = num_new * P - rest.shape[0]
         lo = torch.cat([rest, rest.new_full((pad, self.head_dim), float("inf"))]).view(num_new, P, -1).amin(1)
         hi = torch.cat([rest, rest.new_full((pad, self.head_dim), float("-inf"))]).view(num_new, P, -1).amax(1)
-        self._kmin = torch.cat([self._kmin, lo])
-        self._kmax = torch.cat([self._kmax, hi])
+        self._add_bounds(lo, hi)
 
     def page_bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Channel-wise key minimum and maximum per page, each ``[num_pages, d]`` (page i = row i)."""
@@ -78,4 +103,4 @@ class SequentialPager(SemanticPager):
         return order.astype(np.int64), bound.numpy()[order]
 
     def index_bytes(self) -> int:
-        return 2 * self._kmin.numel() * 4
+        return 2 * self._lo.numel() * 4  # reserved capacity included

@@ -1,0 +1,114 @@
+"""TPOT drift of a soak run apart from the index growth the simulator predicts (issue 8, item 1).
+
+Reads a ``soak.json`` written by ``experiments/soak.py`` (tiny random Llama runs) and the simulator's
+calibration profile, and for each run compares:
+
+- the measured step time after warm-up and at the end (``tpot_warm_ms`` / ``tpot_end_ms``),
+- the measured index work per step (select + insert + waits for background inserts: ``index_*_ms``),
+- the simulator's index work per step at the same index sizes: sparse layers x KV heads x (one select of the
+  GQA group over n tokens + one insert into an index of n tokens), from `icecache.sim.costs.MeasuredCosts`
+  with the tiny model's shape,
+
+and reports the drift that remains once the predicted (and, for reference, the measured) index growth is
+taken out: ``(tpot_end - growth) / tpot_warm - 1``. The soak's windows: warm = the tenth of the steps after
+the first ``min(50, n/10)``, end = the last tenth; n at a window = prompt + its middle step - sink - window.
+
+    python experiments/reliability/drift_vs_sim.py experiments/reliability/soak_tiny_nodense/soak.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+
+from icecache.sim.costs import CalibrationProfile, MeasuredCosts  # noqa: E402
+from icecache.sim.shapes import shape_from_config  # noqa: E402
+
+# The tiny soak's cache configuration (experiments/soak.py).
+BUDGET, PAGE, SINK, WINDOW = 64, 8, 4, 32
+
+
+def window_n(prompt: int, steps: int, which: str) -> int:
+    """Indexed tokens per head in the middle of the soak's ``which`` window."""
+    w0 = min(50, steps // 10)
+    tenth = max(steps // 10, 1)
+    mid = w0 + tenth // 2 if which == "warm" else steps - tenth // 2
+    return prompt + mid - SINK - WINDOW
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("soak_json")
+    ap.add_argument("--profile", default="experiments/sim/profile_this_machine.json")
+    ap.add_argument("--out", default=None, help="Markdown file (default: drift_vs_sim.md beside the soak file)")
+    ap.add_argument("--dense-layers", default=None,
+                    help="the soak's dense layers, for reports written before soak runs recorded them (e.g. '' or '0')")
+    args = ap.parse_args()
+    from conftest import make_tiny_llama
+
+    data = json.loads(Path(args.soak_json).read_text())
+    runs = data["runs"] if isinstance(data, dict) else data
+    costs = MeasuredCosts(CalibrationProfile.load(args.profile), extrapolation="warn")
+    shape = shape_from_config(make_tiny_llama(seed=0).config, "tiny-random-llama")
+    rows = []
+    for r in runs:
+        if r.get("model") != "tiny-random-llama" or "index_warm_ms" not in r:
+            continue
+        steps, prompt = r["new_tokens"], r["prompt_tokens"]
+        if "dense_layers" in r:
+            dense = r["dense_layers"]
+        elif args.dense_layers is not None:
+            dense = [int(x) for x in args.dense_layers.split(",") if x.strip()]
+        else:
+            raise SystemExit(f"{args.soak_json}: run {r['index']} does not record its dense layers; pass --dense-layers")
+        sparse_heads = (shape.layers - len(dense)) * shape.kv_heads
+        notes: list[str] = []
+        pred = {}
+        for w in ("warm", "end"):
+            n = window_n(prompt, steps, w)
+            per_head = costs.select_job_s(shape, r["index"], n, BUDGET, PAGE, notes) + costs.insert_job_s(shape, r["index"], n, notes)
+            pred[w] = 1e3 * sparse_heads * per_head
+        grow_pred = pred["end"] - pred["warm"]
+        grow_meas = r["index_end_ms"] - r["index_warm_ms"]
+        rows.append({
+            "pager": r["index"], "dense_layers": dense, "tpot_warm_ms": r["tpot_warm_ms"], "tpot_end_ms": r["tpot_end_ms"],
+            "tpot_drift": r["tpot_drift"], "index_warm_ms": r["index_warm_ms"], "index_end_ms": r["index_end_ms"],
+            "sim_index_warm_ms": pred["warm"], "sim_index_end_ms": pred["end"],
+            "drift_apart_from_sim_growth": (r["tpot_end_ms"] - grow_pred) / r["tpot_warm_ms"] - 1.0,
+            "drift_apart_from_measured_growth": (r["tpot_end_ms"] - grow_meas) / r["tpot_warm_ms"] - 1.0,
+            "notes": sorted(set(notes)),
+        })
+    lines = [
+        f"Soak: `{args.soak_json}`; simulator profile: `{args.profile}`. Index work = select + insert + waits for "
+        f"background inserts, per decode step (ms).",
+        "",
+        "| pager | dense layers | TPOT warm -> end ms | drift | index warm -> end, measured | simulator | drift apart from the simulator's index growth | apart from the measured growth |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for x in rows:
+        lines.append(
+            f"| {x['pager']} | {','.join(map(str, x['dense_layers'])) or 'none'} | {x['tpot_warm_ms']:.2f} -> {x['tpot_end_ms']:.2f} | "
+            f"{100 * x['tpot_drift']:+.0f}% | {x['index_warm_ms']:.2f} -> {x['index_end_ms']:.2f} | "
+            f"{x['sim_index_warm_ms']:.2f} -> {x['sim_index_end_ms']:.2f} | {100 * x['drift_apart_from_sim_growth']:+.1f}% | "
+            f"{100 * x['drift_apart_from_measured_growth']:+.1f}% |"
+        )
+    for x in rows:
+        if x["notes"]:
+            lines.append(f"\n{x['pager']}: simulator notes: " + "; ".join(x["notes"]))
+    text = "\n".join(lines)
+    print(text)
+    out = Path(args.out) if args.out else Path(args.soak_json).with_name("drift_vs_sim.md")
+    out.write_text("# TPOT drift apart from index growth\n\nCommand: `python experiments/reliability/drift_vs_sim.py "
+                   + " ".join(sys.argv[1:]) + "`\n\n" + text + "\n")
+    out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
