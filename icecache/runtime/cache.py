@@ -320,7 +320,8 @@ class IceCacheLayer(CacheLayerMixin):
         with cache.timer.stage("attend"):
             # On the CPU this attention is tiny ([H, n_rep] queries x sink + window + budget keys): one
             # intra-op thread runs it in ~half the time of two, whose fork/join waits on a core that the
-            # background insert worker holds (SmolLM2 at 2k: 5.2 vs 11.1 ms per step over 28 layers).
+            # background insert worker holds (SmolLM2 at 2k: 5.2 vs 11.1 ms per step over 28 layers). The
+            # setting is process-wide: a generation on another thread may run on one thread for these ~0.1 ms.
             single = cache._cpu_threads > 1 and self.buf_k.device.type == "cpu"
             if single:
                 torch.set_num_threads(1)
