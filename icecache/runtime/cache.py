@@ -318,20 +318,9 @@ class IceCacheLayer(CacheLayerMixin):
         if cache.prefetch_inserts:
             self._prefetch_insert()
         with cache.timer.stage("attend"):
-            # On the CPU this attention is tiny ([H, n_rep] queries x sink + window + budget keys): one
-            # intra-op thread runs it in ~half the time of two, whose fork/join waits on a core that the
-            # background insert worker holds (SmolLM2 at 2k: 5.2 vs 11.1 ms per step over 28 layers). The
-            # setting is process-wide: a generation on another thread may run on one thread for these ~0.1 ms.
-            single = cache._cpu_threads > 1 and self.buf_k.device.type == "cpu"
-            if single:
-                torch.set_num_threads(1)
-            try:
-                out = torch.nn.functional.scaled_dot_product_attention(
-                    qg, self.buf_k, self.buf_v, attn_mask=self.buf_valid[:, :, None, :], scale=scaling
-                )  # [B, H, n_rep, D]
-            finally:
-                if single:
-                    torch.set_num_threads(cache._cpu_threads)
+            out = torch.nn.functional.scaled_dot_product_attention(
+                qg, self.buf_k, self.buf_v, attn_mask=self.buf_valid[:, :, None, :], scale=scaling
+            )  # [B, H, n_rep, D]
         return out.reshape(B, Hq, 1, D).transpose(1, 2)
 
     # ------------------------------------------------------------------ introspection
@@ -341,8 +330,11 @@ class IceCacheLayer(CacheLayerMixin):
         return 2 * self.buf_k.numel() * self.buf_k.element_size()
 
     def host_bytes(self) -> int:
+        """K/V bytes held by this layer's host stores, after any background insert of the layer finished (a
+        read during one raced with it: a fresh-clone `make test` once saw 6 of 8 heads' prefetched token)."""
         if not self.is_initialized:
             return 0
+        self.cache.pipeline.wait(self.layer_idx)
         return sum(s.used_bytes() for row in self.stores for s in row)
 
 
@@ -385,8 +377,6 @@ class IceCache(Cache):
         self.pager_factory = pager_factory or self._default_pager
         #: insert the token that will leave the window next step on a worker during this step (exact semantics)
         self.prefetch_inserts = True
-        #: torch intra-op threads when the cache was made (restored after the single-threaded sparse attention)
-        self._cpu_threads = torch.get_num_threads()
         if self.ice.heap_policy == "pin":
             pin_mmap_threshold()
         self.pipeline = PrefillPipeline(self.ice.num_threads)
