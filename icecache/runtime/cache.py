@@ -31,6 +31,7 @@ from icecache.core.config import IceCacheConfig
 from icecache.core.errors import CacheMisuseError, ConfigError, InputError
 from icecache.indexes.registry import make_pager
 from icecache.runtime import link
+from icecache.runtime.cpu_attention import sparse_attention_cpu
 from icecache.runtime.loader import BulkLoader
 from icecache.runtime.malloc import pin_mmap_threshold, trim_heap
 from icecache.runtime.prefill import PrefillPipeline
@@ -318,9 +319,12 @@ class IceCacheLayer(CacheLayerMixin):
         if cache.prefetch_inserts:
             self._prefetch_insert()
         with cache.timer.stage("attend"):
-            out = torch.nn.functional.scaled_dot_product_attention(
-                qg, self.buf_k, self.buf_v, attn_mask=self.buf_valid[:, :, None, :], scale=scaling
-            )  # [B, H, n_rep, D]
+            if self.buf_k.device.type == "cpu":  # single-threaded kernel: no fork/join beside the insert worker
+                out = sparse_attention_cpu(qg, self.buf_k, self.buf_v, self.buf_valid, scaling)
+            else:
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    qg, self.buf_k, self.buf_v, attn_mask=self.buf_valid[:, :, None, :], scale=scaling
+                )  # [B, H, n_rep, D]
         return out.reshape(B, Hq, 1, D).transpose(1, 2)
 
     # ------------------------------------------------------------------ introspection
