@@ -31,16 +31,12 @@ from icecache.eval.tasks import text_window  # noqa: E402
 from icecache.indexes import make_pager  # noqa: E402
 from icecache.runtime.generate import icecache_attention  # noqa: E402
 from icecache.runtime.models import load_model  # noqa: E402
+from tpot_interleaved import decode_block  # noqa: E402  (experiments/ is this script's directory)
 
 
 def decode(model, cache, tok: torch.Tensor, steps: int) -> tuple[torch.Tensor, float]:
     """``steps`` greedy decode steps; returns the last token and the median step time (ms)."""
-    ts = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        out = model(tok, past_key_values=cache, use_cache=True)
-        tok = out.logits[0, -1].argmax().view(1, 1)
-        ts.append(time.perf_counter() - t0)
+    tok, ts = decode_block(model, cache, tok, steps)
     return tok, 1e3 * statistics.median(ts)
 
 
