@@ -189,10 +189,11 @@ def search_cluster(
     the group; every newly completed candidate is appended to ``pool_ids`` with its exact distance in
     ``dist`` (same slot; once per descent). Returns the new pool length.
 
-    Tokens of a cluster are scored from ``Xr`` (the keys in run-0 slab order) when the search takes a
-    contiguous stretch of run 0 (every member, or the one-simple-index interval): streaming reads instead
-    of one scattered row per token. Clusters are disjoint (every point is in exactly one), so those paths
-    need no per-token dedupe across clusters; the prioritized walk dedupes with ``eval_stamp``.
+    The caller (`descend`) scores a cluster whose search would take every member itself (`_takes_all`), so
+    this handles partial searches only. The one-simple-index interval is scored from ``Xr`` (the keys in
+    run-0 slab order): streaming reads instead of one scattered row per token. Clusters are disjoint (every
+    point is in exactly one), so that path needs no per-token dedupe across clusters; the prioritized walk
+    dedupes with ``eval_stamp``.
 
     ``kk`` is the k of the search (the stop test needs ``min(kk, c)`` candidates). The limits are relative
     to the cluster size ``c``; a negative ``num_*``/``prop_*`` disables its half of the max (the caller
@@ -205,13 +206,6 @@ def search_cluster(
         return pool_n
     visit_limit = max(num_to_visit * m, int(math.ceil(prop_to_visit * c * m)) if prop_to_visit >= 0 else -1)
     retrieve_limit = max(num_to_retrieve, int(math.ceil(prop_to_retrieve * c)) if prop_to_retrieve >= 0 else -1)
-    if _takes_all(c, kk, m, num_to_visit, prop_to_visit, num_to_retrieve, prop_to_retrieve):
-        for i in range(c):
-            t = run_id[0, start + i]
-            pool_ids[pool_n] = t
-            dist[pool_n] = evaluate(Xr, start + i, t, Q, qext, mode, msq, ext, gsc, pool_n, store_g)
-            pool_n += 1
-        return pool_n
     M = L * m
     kk_eff = kk if kk < c else c
     if M == 1:
