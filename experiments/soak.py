@@ -37,6 +37,8 @@ def main() -> int:
     ap.add_argument("--checkpoint-every", type=int, default=2000)
     ap.add_argument("--tiny-dense-layers", default="0",
                     help="comma list of the tiny model's layers that keep full KV ('' for none: every layer sparse)")
+    ap.add_argument("--sync-inserts", action="store_true",
+                    help="insert tokens leaving the window on the decode thread (no background worker during the step)")
     ap.add_argument("--out", default="experiments/reliability")
     args = ap.parse_args()
     out = Path(args.out)
@@ -51,7 +53,7 @@ def main() -> int:
         dense = tuple(int(x) for x in args.tiny_dense_layers.split(",") if x.strip())
         cfg = IceCacheConfig(index=name, budget=64, page_size=8, sink=4, window=32, dense_layers=dense)
         r = soak(tiny, cfg, prompt_tokens=1024, new_tokens=args.tiny_tokens, checkpoint_every=args.checkpoint_every,
-                 verify_host=True, progress=True)
+                 verify_host=True, progress=True, background_inserts=not args.sync_inserts)
         r["model"] = "tiny-random-llama"
         results.append(r)
         print(json.dumps(r), flush=True)
@@ -62,7 +64,8 @@ def main() -> int:
         for name in filter(None, args.model_pagers.split(",")):
             cfg = IceCacheConfig(index=name, budget=256)
             r = soak(model, cfg, prompt_tokens=args.model_prompt, new_tokens=args.model_tokens, input_ids=ids,
-                     checkpoint_every=args.checkpoint_every, verify_host=False, progress=True)
+                     checkpoint_every=args.checkpoint_every, verify_host=False, progress=True,
+                     background_inserts=not args.sync_inserts)
             r["model"] = "smollm2-135m-instruct"
             results.append(r)
             print(json.dumps(r), flush=True)

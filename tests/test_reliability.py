@@ -272,6 +272,11 @@ def test_soak_short_tiny_model():
         assert report["device_bytes_constant"] and report["host_growth_exact"] and report["conservation_checks"] >= 2
         assert report["index_bytes_per_step"] >= 0 and report["host_allocated_bytes_per_step"] >= 0
         assert 0 <= report["select_end_ms"] < report["tpot_end_ms"] and "tpot_drift_without_select" in report
+    # inserts on the decode thread: the same invariants, the run says how it inserted
+    report = soak(model, IceCacheConfig(index="mdci", budget=24, page_size=4, sink=4, window=16, dense_layers=()),
+                  prompt_tokens=150, new_tokens=120, checkpoint_every=60, background_inserts=False)
+    assert report["device_bytes_constant"] and report["host_growth_exact"] and report["conservation_checks"] == 2
+    assert report["background_inserts"] is False and (report["budget"], report["page_size"]) == (24, 4)
 
 
 # ------------------------------------------------------------------------------------------ soak (full, slow)

@@ -313,6 +313,22 @@ def test_embedded_model_full_budget_matches_sdpa(smollm2):
     cache.close()
 
 
+@pytest.mark.model
+def test_min_new_tokens_decodes_the_same_steps_with_every_method(smollm2):
+    from icecache.runtime.generate import generate
+
+    model, tok = smollm2
+    prompt = "Answer with one word: what colour is the sky?"  # the model stops after a few tokens by itself
+    free = generate(model, tok, prompt, max_new_tokens=24, return_result=True)
+    assert free.new_tokens < 24, "prompt no longer ends early; pick one that does"
+    for cfg in (None, IceCacheConfig(index="mdci", budget=16, page_size=4, sink=2, window=4)):
+        res = generate(model, tok, prompt, config=cfg, max_new_tokens=24, min_new_tokens=24, return_result=True)
+        assert res.new_tokens == 24
+    for bad in ({"max_new_tokens": 4, "min_new_tokens": 5}, {"max_new_tokens": 0}, {"max_new_tokens": 4, "min_new_tokens": -1}):
+        with pytest.raises(ConfigError, match="new_tokens"):
+            generate(model, tok, prompt, **bad)
+
+
 # ------------------------------------------------------------------------------- hybrid models (Gemma-3)
 def make_tiny_gemma3(seed: int = 0):
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig

@@ -130,6 +130,28 @@ def test_measured_costs_decompose_the_step_without_new_assumptions():
     assert c.attend_s(s, 1000, in_model=False) == pytest.approx(1e-5 + 5e-8 * 1000)
 
 
+def test_sparse_attend_uses_the_runtime_kernel_timing_when_measured():
+    import dataclasses
+
+    from icecache.sim.costs import Predictor
+
+    prof = synthetic_profile()
+    kernel = Predictor(name="sparse_attention", form="affine", features=("slots",), params=(3e-6, 2e-8), lo=(96.0,), hi=(1536.0,),
+                       fit_mape=0.0, n_points=0)
+    prof = dataclasses.replace(prof, predictors={**prof.predictors, "sparse_attention": kernel})
+    c = make_costs(get_hardware("this-machine", prof), prof, "allow")
+    notes: list[str] = []
+    assert c.attend_s(get_shape("smollm2"), 324, in_model=False, notes=notes) == pytest.approx(3e-6 + 2e-8 * 324)
+    assert not any("sparse attention" in n for n in notes)
+    # full/dense layers keep the model's own attention
+    assert c.attend_s(get_shape("smollm2"), 4096, in_model=True) == pytest.approx(
+        synthetic_profile().predictors["attention"].params[0] + 2e-6 / 30 * 4096)
+    # another shape: the kernel's work scales with query heads x head width
+    g = get_shape("llama-3.1-8b")
+    ratio = (g.q_heads * g.head_dim) / (9 * 64)
+    assert c.attend_s(g, 324, in_model=False) == pytest.approx(3e-6 + 2e-8 * 324 * ratio)
+
+
 # ------------------------------------------------------------------------------------------- hardware
 def test_every_constant_has_a_unit_a_source_and_a_flag():
     for hw in HARDWARE.values():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -123,3 +124,37 @@ def test_validate_command(tmp_path, capsys, sim):
     assert "Kendall tau" in md and "MAPE" in md
     data = json.loads((tmp_path / "val.json").read_text())
     assert data["n_test"] > 0 and "passes_corrected" in data
+
+
+# ------------------------------------------------------------------------- ranking over resolvable pairs
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from icecache.sim.validate import MeasuredRun, kendall_tau, repeat_noise, resolved_tau  # noqa: E402
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.01, 1.0), st.floats(0.01, 1.0)), min_size=3, max_size=12, unique_by=(lambda t: t[0], lambda t: t[1])))
+def test_resolved_tau_without_noise_is_kendalls_tau(pairs):
+    pred, meas = [p for p, _ in pairs], [m for _, m in pairs]
+    tau, n = resolved_tau(pred, meas, 0.0)
+    assert n == len(pairs) * (len(pairs) - 1) // 2
+    assert tau == pytest.approx(kendall_tau(pred, meas))
+
+
+def test_resolved_tau_ignores_pairs_inside_the_noise():
+    meas = [1.00, 1.01, 2.00, 2.02]
+    pred = [1.01, 1.00, 2.02, 2.00]  # the close pairs are swapped, the far ones ordered
+    assert kendall_tau(pred, meas) == pytest.approx(1 / 3)
+    tau, n = resolved_tau(pred, meas, noise=0.02)
+    assert (tau, n) == (1.0, 4)
+    assert resolved_tau(pred, meas, math.nan) == (pytest.approx(math.nan, nan_ok=True), 0)
+
+
+def test_repeat_noise_is_the_median_relative_range():
+    def run(reps):
+        return MeasuredRun("full", "m", 100, 64, 8, 1, 8, reps[0], 1.0, 1.0, {}, "this-machine", {"repeats_tpot_s": reps})
+
+    runs = [run([1.0, 1.1]), run([2.0, 2.0]), run([1.0, 1.2, 1.1]), run([3.0])]
+    assert repeat_noise(runs) == pytest.approx(0.1 / 1.05)  # median of 0.1/1.05, 0, 0.2/1.1
+    assert math.isnan(repeat_noise([run([3.0])]))

@@ -29,16 +29,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from icecache.sim.costs import CalibrationProfile, MeasuredCosts  # noqa: E402
 from icecache.sim.shapes import shape_from_config  # noqa: E402
 
-# The tiny soak's cache configuration (experiments/soak.py).
+# The tiny soak's cache configuration (experiments/soak.py), for soak files written before runs recorded theirs.
 BUDGET, PAGE, SINK, WINDOW = 64, 8, 4, 32
 
 
-def window_n(prompt: int, steps: int, which: str) -> int:
+def window_n(prompt: int, steps: int, which: str, sink: int = SINK, window: int = WINDOW) -> int:
     """Indexed tokens per head in the middle of the soak's ``which`` window."""
     w0 = min(50, steps // 10)
     tenth = max(steps // 10, 1)
     mid = w0 + tenth // 2 if which == "warm" else steps - tenth // 2
-    return prompt + mid - SINK - WINDOW
+    return prompt + mid - sink - window
 
 
 def main() -> int:
@@ -46,6 +46,12 @@ def main() -> int:
     ap.add_argument("soak_json")
     ap.add_argument("--profile", default="experiments/sim/profile_this_machine.json")
     ap.add_argument("--out", default=None, help="Markdown file (default: drift_vs_sim.md beside the soak file)")
+    ap.add_argument("--tiny-profile", default=None,
+                    help="a profile whose pagers were timed on the tiny model's own keys (made here with --calibrate-tiny); "
+                         "used instead of --profile, no shape scaling")
+    ap.add_argument("--calibrate-tiny", action="store_true",
+                    help="time mdci/sequential select and insert on the tiny random model's keys (1k..24k per head) and "
+                         "write --tiny-profile (about 2 minutes)")
     ap.add_argument("--dense-layers", default=None,
                     help="the soak's dense layers, for reports written before soak runs recorded them (e.g. '' or '0')")
     args = ap.parse_args()
@@ -53,12 +59,29 @@ def main() -> int:
 
     data = json.loads(Path(args.soak_json).read_text())
     runs = data["runs"] if isinstance(data, dict) else data
-    costs = MeasuredCosts(CalibrationProfile.load(args.profile), extrapolation="warn")
-    shape = shape_from_config(make_tiny_llama(seed=0).config, "tiny-random-llama")
+    tiny = make_tiny_llama(seed=0, max_position_embeddings=1 << 16)
+    shape = shape_from_config(tiny.config, "tiny-random-llama")
+    if args.calibrate_tiny:
+        if not args.tiny_profile:
+            raise SystemExit("--calibrate-tiny needs --tiny-profile PATH to write")
+        from icecache.sim.calibrate import CalibrationSettings, run_calibration
+
+        settings = CalibrationSettings(qk_tokens=24600, pager_sizes=(1024, 2048, 4096, 8192, 16384, 24000), page_sizes=(PAGE,),
+                                       budgets=(BUDGET,), pagers=("mdci", "sequential"), pager_time_limit_s=120.0)
+        run_calibration(settings, model=tiny, model_name="tiny-random-llama", components=("pagers",), out=args.tiny_profile)
+    profile_path = args.tiny_profile or args.profile
+    from icecache.sim.shapes import get_shape
+
+    shapes = {  # model -> (shape, costs): the tiny model with its own profile when given; SmolLM2 with the main one
+        "tiny-random-llama": (shape, MeasuredCosts(CalibrationProfile.load(profile_path), extrapolation="warn")),
+        "smollm2-135m-instruct": (get_shape("smollm2-135m-instruct"), MeasuredCosts(CalibrationProfile.load(args.profile), extrapolation="warn")),
+    }
     rows = []
     for r in runs:
-        if r.get("model") != "tiny-random-llama" or "index_warm_ms" not in r:
+        if "index_warm_ms" not in r or r.get("model") not in shapes:
             continue
+        shape, costs = shapes[r["model"]]
+        budget, page, sink, window = (r.get(k, d) for k, d in (("budget", BUDGET), ("page_size", PAGE), ("sink", SINK), ("window", WINDOW)))
         steps, prompt = r["new_tokens"], r["prompt_tokens"]
         if "dense_layers" in r:
             dense = r["dense_layers"]
@@ -70,13 +93,13 @@ def main() -> int:
         notes: list[str] = []
         pred = {}
         for w in ("warm", "end"):
-            n = window_n(prompt, steps, w)
-            per_head = costs.select_job_s(shape, r["index"], n, BUDGET, PAGE, notes) + costs.insert_job_s(shape, r["index"], n, notes)
+            n = window_n(prompt, steps, w, sink, window)
+            per_head = costs.select_job_s(shape, r["index"], n, budget, page, notes) + costs.insert_job_s(shape, r["index"], n, notes)
             pred[w] = 1e3 * sparse_heads * per_head
         grow_pred = pred["end"] - pred["warm"]
         grow_meas = r["index_end_ms"] - r["index_warm_ms"]
         rows.append({
-            "pager": r["index"], "dense_layers": dense, "tpot_warm_ms": r["tpot_warm_ms"], "tpot_end_ms": r["tpot_end_ms"],
+            "model": r["model"], "background_inserts": r.get("background_inserts", True), "pager": r["index"], "dense_layers": dense, "tpot_warm_ms": r["tpot_warm_ms"], "tpot_end_ms": r["tpot_end_ms"],
             "tpot_drift": r["tpot_drift"], "index_warm_ms": r["index_warm_ms"], "index_end_ms": r["index_end_ms"],
             "sim_index_warm_ms": pred["warm"], "sim_index_end_ms": pred["end"],
             "drift_apart_from_sim_growth": (r["tpot_end_ms"] - grow_pred) / r["tpot_warm_ms"] - 1.0,
@@ -84,15 +107,15 @@ def main() -> int:
             "notes": sorted(set(notes)),
         })
     lines = [
-        f"Soak: `{args.soak_json}`; simulator profile: `{args.profile}`. Index work = select + insert + waits for "
+        f"Soak: `{args.soak_json}`; simulator profile: `{profile_path}`. Index work = select + insert + waits for "
         f"background inserts, per decode step (ms).",
         "",
-        "| pager | dense layers | TPOT warm -> end ms | drift | index warm -> end, measured | simulator | drift apart from the simulator's index growth | apart from the measured growth |",
-        "|---|---|---|---|---|---|---|---|",
+        "| model | pager | inserts | dense layers | TPOT warm -> end ms | drift | index warm -> end, measured | simulator | drift apart from the simulator's index growth | apart from the measured growth |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for x in rows:
         lines.append(
-            f"| {x['pager']} | {','.join(map(str, x['dense_layers'])) or 'none'} | {x['tpot_warm_ms']:.2f} -> {x['tpot_end_ms']:.2f} | "
+            f"| {x['model']} | {x['pager']} | {'background' if x['background_inserts'] else 'synchronous'} | {','.join(map(str, x['dense_layers'])) or 'none'} | {x['tpot_warm_ms']:.2f} -> {x['tpot_end_ms']:.2f} | "
             f"{100 * x['tpot_drift']:+.0f}% | {x['index_warm_ms']:.2f} -> {x['index_end_ms']:.2f} | "
             f"{x['sim_index_warm_ms']:.2f} -> {x['sim_index_end_ms']:.2f} | {100 * x['drift_apart_from_sim_growth']:+.1f}% | "
             f"{100 * x['drift_apart_from_measured_growth']:+.1f}% |"

@@ -1,17 +1,16 @@
 """Measure real runs of the runtime for `python -m icecache.sim validate` (and record selection traces).
 
-Not run yet: it needs the runtime (`icecache.runtime.generate.generate` with ``return_result=True`` and
-``IceCacheConfig``-driven caches), which is being written. Once it lands:
-
     .venv/bin/python experiments/sim/measure_runs.py --out experiments/sim/measured_runs.jsonl \
-        --traces-dir experiments/sim/traces                       # about 30-60 min on 2 cores
+        --traces-dir experiments/sim/traces --repeats 2           # about 45 min on 2 cores
     .venv/bin/python experiments/sim/measure_runs.py --quick      # 8 runs, a few minutes
     .venv/bin/python -m icecache.sim validate --runs experiments/sim/measured_runs.jsonl \
         --hit experiments/sim/traces/*.jsonl --out experiments/sim/validation.md
 
 One JSON line per run, the format `icecache.sim.validate.MeasuredRun` reads; ``stage_seconds`` are per decode
-step (cumulative stats divided by ``steps``). Each configuration is measured after one warm-up generation
-(JIT compilation, allocator), ``--repeats`` times; the median-TPOT repeat is kept, all repeats are listed.
+step (cumulative stats divided by ``steps``). After one warm-up generation per variant (JIT compilation,
+allocator), the grid is measured ``--repeats`` times, in rounds, each round in its own shuffled order, so the
+machine's slow drift does not line up with the grid; every run goes to ``<out>.raw.jsonl`` as it finishes
+(``--resume`` continues from it) and ``<out>`` gets one row per configuration: the medians over its repeats.
 """
 
 from __future__ import annotations
@@ -20,6 +19,8 @@ import argparse
 import gzip
 import itertools
 import json
+import os
+import random
 import shutil
 import statistics
 import sys
@@ -58,7 +59,8 @@ def measure_one(model: Any, tokenizer: Any, variant: str, context: int, budget: 
     kw = VARIANT_CONFIG[variant]
     cfg = None if kw is None else IceCacheConfig(budget=budget, page_size=page_size, threads=threads,
                                                   trace=trace_path is not None, **kw)
-    res = generate(model, tokenizer, prompt_of(tokenizer, context), config=cfg, max_new_tokens=new_tokens, return_result=True)
+    res = generate(model, tokenizer, prompt_of(tokenizer, context), config=cfg, max_new_tokens=new_tokens,
+                   min_new_tokens=new_tokens, return_result=True)  # every method decodes the same steps
     stats = dict(getattr(res, "stats", {}) or {})
     trace = stats.pop("trace", None) or getattr(res, "trace", None)
     row = {
@@ -83,6 +85,20 @@ def measure_one(model: Any, tokenizer: Any, variant: str, context: int, budget: 
     return row
 
 
+def median_run(reps: list[dict[str, Any]]) -> dict[str, Any]:
+    """One configuration's repeats -> one row: TPOT, TT2T, TTFT and every per-step stage time are the medians
+    over the repeats (each separately); the repeats' values stay listed (``repeats_*``)."""
+    row = {k: v for k, v in reps[0].items() if k not in ("round", "grid_index", "loadavg")}
+    if len(reps) == 1:
+        return row
+    for key in ("tpot_s", "tt2t_s", "ttft_s"):
+        row[key] = statistics.median(r[key] for r in reps)
+        row[f"repeats_{key}"] = [r[key] for r in reps]
+    stages = sorted({s for r in reps for s in r["stage_seconds"]})
+    row["stage_seconds"] = {s: statistics.median(r["stage_seconds"].get(s, 0.0) for r in reps) for s in stages}
+    return row
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="experiments/sim/measured_runs.jsonl")
@@ -90,12 +106,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", default="full,icecache,icecache-r,quest")
     ap.add_argument("--contexts", default="1024,2048,4096,7000")
     ap.add_argument("--budgets", default="64,256")
-    ap.add_argument("--page-sizes", default="8,16,32")
+    ap.add_argument("--page-sizes", default="8,32")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0, help="order of the configurations in each round")
     ap.add_argument("--resume", action="store_true",
-                    help="keep the runs already in --out (written in grid order) and measure only the rest")
+                    help="keep the runs already in <out>.raw.jsonl and measure only the rest")
     ap.add_argument("--quick", action="store_true", help="contexts 1024,4096; budget 256; page 16; threads 2")
     args = ap.parse_args(argv)
     if args.quick:
@@ -114,36 +131,47 @@ def main(argv: list[str] | None = None) -> int:
                 grid += [(v, c, b, p, t) for b, p, t in itertools.product(ints(args.budgets), ints(args.page_sizes), ints(args.threads))]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    print(f"{len(grid)} configurations; warm-up ...", flush=True)
+    raw_path = out.with_name(out.stem + ".raw.jsonl")
+    done: dict[tuple[int, int], dict[str, Any]] = {}  # (round, grid index) -> run
+    if args.resume and raw_path.exists():
+        for line in raw_path.read_text().splitlines():
+            r = json.loads(line)
+            v, c, b, p, t = grid[r["grid_index"]]
+            if (r["variant"], r["budget"], r["page_size"], r["threads"]) != (v, b, p, t) or not c <= r["context"] < c + 256:
+                raise SystemExit(f"--resume: {raw_path} holds a run that is not grid entry {r['grid_index']}; rerun without --resume")
+            done[(r["round"], r["grid_index"])] = r
+        print(f"resuming: {len(done)} runs already in {raw_path}", flush=True)
+    print(f"{len(grid)} configurations x {args.repeats} rounds; warm-up ...", flush=True)
     for v in args.variants.split(","):  # every path once (allocators, numba compilation, first-call costs)
         measure_one(model, tokenizer, v, 512, 64, 16, 1, args.new_tokens // 4 or 2, None)
-    done = 0
-    if args.resume and out.exists():
-        for line, (v, c, b, p, t) in zip(out.read_text().splitlines(), grid):
-            r = json.loads(line)
-            if (r["variant"], r["budget"], r["page_size"], r["threads"]) != (v, b, p, t) or not c <= r["context"] < c + 256:
-                raise SystemExit(f"--resume: {out} line {done + 1} is not grid entry {(v, c, b, p, t)}; rerun without --resume")
-            done += 1
-        print(f"resuming after {done} runs already in {out}", flush=True)
     t0 = time.perf_counter()
-    with out.open("a" if done else "w") as fh:
-        for i, (v, c, b, p, t) in enumerate(grid):
-            if i < done:
-                continue
-            trace = Path(args.traces_dir) / f"{v}_n{c}_b{b}_p{p}_t{t}.jsonl" if (args.traces_dir and v != "full") else None
-            reps = [measure_one(model, tokenizer, v, c, b, p, t, args.new_tokens, trace if k == 0 else None) for k in range(args.repeats)]
-            med = sorted(reps, key=lambda r: r["tpot_s"])[len(reps) // 2]
-            if len(reps) > 1:
-                med["repeats_tpot_s"] = [r["tpot_s"] for r in reps]
-                med["repeats_tt2t_s"] = [r["tt2t_s"] for r in reps]
-            if trace is not None and trace.is_file():  # commit-sized: traces compress ~8x
-                with trace.open("rb") as src, gzip.open(trace.with_name(trace.name + ".gz"), "wb") as dst:
-                    shutil.copyfileobj(src, dst)
-                trace.unlink()
-            fh.write(json.dumps(med) + "\n")
-            fh.flush()
-            print(f"[{i + 1}/{len(grid)}] {v} n={c} B={b} P={p} T={t}: TPOT {med['tpot_s'] * 1e3:.1f} ms, "
-                  f"TT2T {med['tt2t_s']:.2f} s ({time.perf_counter() - t0:.0f} s)", flush=True)
+    total = len(grid) * args.repeats
+    with raw_path.open("a" if done else "w") as fh:
+        for rnd in range(args.repeats):
+            # rounds, each in its own shuffled order: the machine's drift over minutes spreads over all
+            # configurations instead of following the grid order (variant by variant)
+            order = list(range(len(grid)))
+            random.Random(args.seed + rnd).shuffle(order)
+            for i in order:
+                if (rnd, i) in done:
+                    continue
+                v, c, b, p, t = grid[i]
+                trace = Path(args.traces_dir) / f"{v}_n{c}_b{b}_p{p}_t{t}.jsonl" if (args.traces_dir and v != "full" and rnd == 0) else None
+                row = measure_one(model, tokenizer, v, c, b, p, t, args.new_tokens, trace)
+                if trace is not None and trace.is_file():  # commit-sized: traces compress ~8x
+                    with trace.open("rb") as src, gzip.open(trace.with_name(trace.name + ".gz"), "wb") as dst:
+                        shutil.copyfileobj(src, dst)
+                    trace.unlink()
+                row.update(round=rnd, grid_index=i, loadavg=list(os.getloadavg()))
+                done[(rnd, i)] = row
+                fh.write(json.dumps(row) + "\n")
+                fh.flush()
+                print(f"[{len(done)}/{total}] round {rnd} {v} n={c} B={b} P={p} T={t}: TPOT {row['tpot_s'] * 1e3:.1f} ms, "
+                      f"TT2T {row['tt2t_s']:.2f} s ({time.perf_counter() - t0:.0f} s)", flush=True)
+    with out.open("w") as fh:
+        for i in range(len(grid)):
+            reps = [done[(rnd, i)] for rnd in range(args.repeats)]
+            fh.write(json.dumps(median_run(reps)) + "\n")
     print(f"wrote {out}; median TPOT {statistics.median(json.loads(l)['tpot_s'] for l in out.read_text().splitlines()) * 1e3:.1f} ms")
     return 0
 

@@ -36,9 +36,12 @@ def _rss_bytes() -> int:
 
 @torch.inference_mode()
 def soak(model: Any, config: IceCacheConfig, prompt_tokens: int, new_tokens: int, checkpoint_every: int = 1000,
-         input_ids: torch.Tensor | None = None, verify_host: bool = False, progress: bool = False, seed: int = 0) -> dict[str, Any]:
+         input_ids: torch.Tensor | None = None, verify_host: bool = False, progress: bool = False, seed: int = 0,
+         background_inserts: bool = True) -> dict[str, Any]:
     """Prefill ``prompt_tokens`` (random ids unless ``input_ids``) and decode ``new_tokens`` greedily under
-    IceCache, checking invariants; returns the figures (see module docstring)."""
+    IceCache, checking invariants; returns the figures (see module docstring). ``background_inserts=False``
+    inserts each token leaving the window on the decode thread (timed in the step) instead of on the worker
+    while the next layers compute."""
     from tqdm.auto import tqdm
 
     if input_ids is None:
@@ -47,6 +50,7 @@ def soak(model: Any, config: IceCacheConfig, prompt_tokens: int, new_tokens: int
     threads_start = _our_threads()
     rss_start = _rss_bytes()
     cache = IceCache(model.config, config)
+    cache.prefetch_inserts = background_inserts
     recorded: dict[int, list[torch.Tensor]] = {}
     if verify_host:  # what a full cache would hold: every K the model hands to `update`
         original = cache.update
@@ -58,7 +62,9 @@ def soak(model: Any, config: IceCacheConfig, prompt_tokens: int, new_tokens: int
         cache.update = recording_update
     sparse = [i for i, k in enumerate(cache.kind) if k == "sparse"]
     report: dict[str, Any] = {"index": config.index, "prompt_tokens": int(input_ids.shape[1]), "new_tokens": new_tokens,
-                              "conservation_checks": 0, "host_checks": 0, "dense_layers": list(config.dense_layers)}
+                              "conservation_checks": 0, "host_checks": 0, "dense_layers": list(config.dense_layers),
+                              "background_inserts": background_inserts, "budget": config.budget, "page_size": config.page_size,
+                              "sink": config.sink, "window": config.window}
     step_s, rss = [], []
     select_s: list[float] = []  # page-selection seconds inside each step (the part that grows with the index)
     stages_s: list[float] = []  # seconds of all IceCache stages and of waits for its background inserts

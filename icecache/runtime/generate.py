@@ -10,6 +10,7 @@ from typing import Any, Iterator
 import torch
 
 from icecache.core.config import IceCacheConfig
+from icecache.core.errors import ConfigError
 
 
 @dataclass
@@ -87,6 +88,13 @@ def icecache_attention(model: Any) -> Iterator[None]:
 
 
 @torch.inference_mode()
+def _check_lengths(max_new_tokens: int, min_new_tokens: int) -> None:
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    if not isinstance(min_new_tokens, int) or not 0 <= min_new_tokens <= max_new_tokens:
+        raise ConfigError(f"min_new_tokens must be an int in [0, max_new_tokens={max_new_tokens}], got {min_new_tokens!r}")
+
+
 def generate(
     model: Any,
     tokenizer: Any,
@@ -94,11 +102,15 @@ def generate(
     *,
     config: IceCacheConfig | None = None,
     max_new_tokens: int = 32,
+    min_new_tokens: int = 0,
     chat: bool = True,
     return_result: bool = False,
     progress: bool = False,
 ) -> str | GenerationResult:
     """Greedy generation with IceCache (or full attention when ``config`` is None).
+
+    ``min_new_tokens`` suppresses end-of-sequence before that many tokens (timing runs use it to decode the
+    same number of steps with every method).
 
     Returns the continuation text only, or a `GenerationResult` (times, token ids, ``cache.stats()``) when
     ``return_result``. The model's attention implementation is switched to "icecache" for the call and
@@ -106,16 +118,18 @@ def generate(
     """
     from icecache.runtime.cache import IceCache
 
+    _check_lengths(max_new_tokens, min_new_tokens)
     if config is None:
-        res = generate_full(model, tokenizer, prompt, max_new_tokens=max_new_tokens, chat=chat, progress=progress)
+        res = generate_full(model, tokenizer, prompt, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, chat=chat,
+                            progress=progress)
         return res if return_result else res.text
     enc = encode_prompt(tokenizer, prompt, chat)
     clock = _TokenClock(max_new_tokens, progress, desc=f"icecache {config.index}@{config.budget}")
     with icecache_attention(model), IceCache(model.config, config) as cache:
         t0 = time.perf_counter()
         out = model.generate(
-            **enc, past_key_values=cache, max_new_tokens=max_new_tokens, do_sample=False, streamer=clock,
-            pad_token_id=tokenizer.pad_token_id,
+            **enc, past_key_values=cache, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens or None, do_sample=False,
+            streamer=clock, pad_token_id=tokenizer.pad_token_id,
         )
         t1 = time.perf_counter()
         stats = cache.stats()
@@ -137,14 +151,17 @@ def generate(
 
 @torch.inference_mode()
 def generate_full(
-    model: Any, tokenizer: Any, prompt: str, *, max_new_tokens: int = 32, chat: bool = True, progress: bool = False
+    model: Any, tokenizer: Any, prompt: str, *, max_new_tokens: int = 32, min_new_tokens: int = 0, chat: bool = True,
+    progress: bool = False,
 ) -> GenerationResult:
     """Greedy generation with the model's own (full) attention; the baseline every method is compared with."""
+    _check_lengths(max_new_tokens, min_new_tokens)
     enc = encode_prompt(tokenizer, prompt, chat)
     timer = _TokenClock(max_new_tokens, progress, desc="full attention")
     t0 = time.perf_counter()
     out = model.generate(
-        **enc, max_new_tokens=max_new_tokens, do_sample=False, streamer=timer, pad_token_id=tokenizer.pad_token_id
+        **enc, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens or None, do_sample=False, streamer=timer,
+        pad_token_id=tokenizer.pad_token_id,
     )
     t1 = time.perf_counter()
     new = out[0, enc["input_ids"].shape[1] :]

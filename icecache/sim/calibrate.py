@@ -63,6 +63,8 @@ class CalibrationSettings:
     #: runtime layer (component "loader"): indexed tokens, new tokens per head per load (budget: max(budgets))
     runtime_layer_n: int = 4096
     runtime_new_tokens: tuple[int, ...] = (0, 4, 16, 64, 256)
+    #: the runtime's CPU sparse-attention kernel (component "loader"): device slots (sink + window + budget)
+    sparse_slots: tuple[int, ...] = (96, 192, 384, 768, 1536)
     #: background share (component "pool"): decode context and prefill length of the foreground
     background_context: int = 1024
     background_prefill_tokens: int = 256
@@ -79,7 +81,7 @@ class CalibrationSettings:
         return cls(
             contexts=(32, 64, 128), attention_tokens=(32, 128, 256), prefill_tokens=(16, 32, 64), qk_tokens=64,
             pager_sizes=(128, 256), page_sizes=(8, 16), budgets=(16, 32), insert_reps=3, pool_threads=(1, 2),
-            pool_size=128, runtime_layer_n=256, runtime_new_tokens=(0, 4, 16), background_context=32, generate_prompt_tokens=16,
+            pool_size=128, runtime_layer_n=256, runtime_new_tokens=(0, 4, 16), sparse_slots=(16, 64), background_context=32, generate_prompt_tokens=16,
             generate_new_tokens=6,
             background_prefill_tokens=16, reps=2, pager_time_limit_s=10.0,
         )
@@ -219,6 +221,32 @@ def measure_attention(model: Any, tokens: Sequence[int], reps: int, seed: int = 
     return [{"kv_tokens": n, "seconds": secs[n]} for n in tokens]
 
 
+def measure_sparse_attention(q_heads: int, kv_heads: int, head_dim: int, slots: Sequence[int], reps: int,
+                             seed: int = 0) -> list[dict[str, Any]]:
+    """The runtime's CPU sparse-attention kernel (`icecache.runtime.cpu_attention.sparse_attention_cpu`, what a
+    sparse layer's ``attend`` stage runs on this machine): one decode token, ``q_heads`` query heads over
+    ``kv_heads`` device buffers of ``S`` slots (sink + window + budget), for each ``S`` in ``slots``; all slots valid."""
+    import torch
+
+    from icecache.runtime.cpu_attention import sparse_attention_cpu
+
+    g = torch.Generator().manual_seed(seed)
+    rep = q_heads // kv_heads
+    fns = {}
+    for n in slots:
+        q = torch.randn(1, kv_heads, rep, head_dim, generator=g)
+        k = torch.randn(1, kv_heads, n, head_dim, generator=g)
+        v = torch.randn(1, kv_heads, n, head_dim, generator=g)
+        valid = torch.ones(1, kv_heads, n, dtype=torch.bool)
+
+        def att(q: Any = q, k: Any = k, v: Any = v, valid: Any = valid) -> None:
+            sparse_attention_cpu(q, k, v, valid, head_dim ** -0.5)
+
+        fns[n] = att
+    secs = interleaved(fns, max(reps, 5) * 3, warmup=2)
+    return [{"slots": n, "q_heads": q_heads, "kv_heads": kv_heads, "head_dim": head_dim, "seconds": secs[n]} for n in slots]
+
+
 def measure_lm_head(model: Any, reps: int) -> list[dict[str, Any]]:
     """Final norm + LM head + argmax for one token."""
     import torch
@@ -238,8 +266,8 @@ def measure_prefill(model: Any, input_ids: Any, tokens: Sequence[int], reps: int
 
     def pre(n: int) -> Callable[[], None]:
         def run() -> None:
-            with torch.inference_mode():
-                model(input_ids=input_ids[:, :n], use_cache=True)
+            with torch.inference_mode():  # logits of the last token only, as generation computes them
+                model(input_ids=input_ids[:, :n], use_cache=True, logits_to_keep=1)
 
         return run
 
@@ -309,7 +337,7 @@ def capture_qk(model: Any, input_ids: Any, timing: dict[str, float] | None = Non
     try:
         with torch.inference_mode():
             t0 = time.perf_counter()
-            out = model(input_ids=input_ids, use_cache=True)
+            out = model(input_ids=input_ids, use_cache=True, logits_to_keep=1)  # as generation's prefill
             if timing is not None:
                 timing["forward_s"] = time.perf_counter() - t0
             n = input_ids.shape[1]
@@ -400,10 +428,12 @@ def measure_pager(
             out["build"].append({"n": n, "page_size": P, "seconds": b})
         log(f"  {name}: n={n} built ({min(b) * 1e3:.1f} ms at page {page_sizes[-1]})")
     counter = iter(range(10**9))
+    # budget outermost: consecutive calls always query different indexes, as in decode (where a select follows
+    # those of the other heads and layers); the same index twice in a row would time the second call cache-hot
     fns = {
         (n, P, B): (lambda pg=pg, B=B, n=n: pg.select(pool.query(next(counter) * 37 + n), B))
-        for (n, P), pg in built.items()
         for B in budgets
+        for (n, P), pg in built.items()
     }
     secs = interleaved(fns, reps, warmup=1)
     for (n, P, B), xs in secs.items():
@@ -666,6 +696,7 @@ def fit_profile_predictors(samples: dict[str, Any], statistic: str = "p25") -> d
 
     fit("decode_step", "affine", samples.get("decode_step", []), ["context"])
     fit("attention", "affine", samples.get("attention", []), ["kv_tokens"])
+    fit("sparse_attention", "affine", samples.get("sparse_attention", []), ["slots"])
     fit("lm_head", "constant", samples.get("lm_head", []), [])
     fit("prefill", "quadratic", samples.get("prefill", []), ["tokens"])
     for r in samples.get("generate_step", [])[:1]:
@@ -755,7 +786,7 @@ COMPONENTS: dict[str, tuple[str, ...]] = {
     "model": ("decode_step", "attention", "lm_head", "prefill", "generate_step"),
     "pagers": ("pagers",),
     "pool": ("pool", "background"),
-    "loader": ("gather", "copy", "scatter", "runtime_layer"),
+    "loader": ("gather", "copy", "scatter", "runtime_layer", "sparse_attention"),
 }
 
 
@@ -908,6 +939,9 @@ def run_calibration(
         samples["runtime_layer"] = measure_runtime_layer(
             sorted({1, shape.kv_heads}), shape.group_size, shape.head_dim, model.dtype, s.runtime_layer_n, max(s.budgets),
             16 if 16 in s.page_sizes else s.page_sizes[0], [k for k in s.runtime_new_tokens if k <= max(s.budgets)], s.reps * 2, s.seed)
+        log("sparse attention kernel vs device slots ...")
+        samples["sparse_attention"] = measure_sparse_attention(shape.q_heads, shape.kv_heads, shape.head_dim, s.sparse_slots, s.reps,
+                                                               s.seed)
     info["loadavg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     wall = time.perf_counter() - t0
     created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")

@@ -559,6 +559,11 @@ class MeasuredCosts:
             step = self.profile.predictor("decode_step")
             step.predict([tokens], self.extrapolation, notes)  # type: ignore[arg-type]  # range check only
             return att.params[0] + step.params[1] / ref.layers * tokens * kv
+        if "sparse_attention" in self.profile.predictors:  # the runtime's CPU kernel, measured as it runs
+            sp = self.profile.predictor("sparse_attention")
+            ratio = 1.0 if shape.name == ref.name else (shape.q_heads * shape.head_dim) / (ref.q_heads * ref.head_dim)
+            return sp.params[0] + (self._p("sparse_attention", [tokens], notes) - sp.params[0]) * ratio
+        _note(notes, "sparse attention: profile has no 'sparse_attention' kernel timing; the model's attention used")
         return att.params[0] + (self._p("attention", [tokens], notes) - att.params[0]) * kv
 
     def head_s(self, shape: Any, notes: list[str] | None = None) -> float:
