@@ -84,7 +84,7 @@ def test_quick_calibration_end_to_end(tiny_llama, tmp_path):
                            out=tmp_path / "p.json", log=lambda s: None)
     back = CalibrationProfile.load(tmp_path / "p.json")
     assert set(back.predictors) >= {"decode_step", "attention", "lm_head", "prefill", "gather", "copy", "scatter",
-                                    "loader_other", "append", "overhead", "sparse_attention"}
+                                    "loader_other", "append", "overhead", "sparse_attention", "store_sync"}
     assert 0.0 <= back.meta["background_share"] <= 1.0 and 0.0 <= back.meta["background_share_prefill"] <= 1.0
     assert back.meta["shape"]["layers"] == 4 and back.samples["decode_step"]
     register_shape(shape_from_config(tiny_llama.config, "tiny-llama"))

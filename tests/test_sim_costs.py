@@ -234,3 +234,21 @@ def test_piecewise_power_follows_a_kinked_curve_and_extends_its_last_segment():
     assert p.formula([1_048_576.0, 64.0]) == pytest.approx(3e-4 * 64, rel=1e-6)  # last segment is linear: continues
     assert p.formula([65536.0, 128.0]) == pytest.approx(1.2e-3 * 2**0.25, rel=1e-6)
     assert Predictor.from_dict(p.to_dict()) == p
+
+
+def test_prefill_job_counts_host_store_writes_when_measured():
+    import dataclasses
+
+    from icecache.sim.costs import Predictor
+
+    prof = synthetic_profile()
+    s = get_shape("smollm2")
+    c0 = make_costs(get_hardware("this-machine", prof), prof, "allow")
+    notes: list[str] = []
+    build = c0.build_job_s(s, "mdci", 4096, 16, notes)
+    assert build == pytest.approx(1e-3 + 1e-6 * 4096 ** 1.1) and any("host-store writes" in n for n in notes)
+    sync = Predictor(name="store_sync", form="affine", features=("tokens",), params=(2e-4, 1e-6), lo=(1024.0,), hi=(16384.0,),
+                     fit_mape=0.0, n_points=0)
+    prof = dataclasses.replace(prof, predictors={**prof.predictors, "store_sync": sync})
+    c1 = make_costs(get_hardware("this-machine", prof), prof, "allow")
+    assert c1.build_job_s(s, "mdci", 4096, 16) == pytest.approx(build + 2e-4 + 1e-6 * 4096)

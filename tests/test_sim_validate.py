@@ -56,7 +56,8 @@ def test_exact_runs_validate_perfectly(sim):
 
 def test_known_stage_distortions_are_detected_raw_and_removed_by_calibration(sim):
     factors = {"select": 1.4, "attend": 0.7, "other": 1.15, "gather": 2.0}
-    runs = synthetic_runs(_configs(), sim, stage_factors=factors, prefill_factor=1.3)
+    rest = {"icecache": 1.25, "quest": 0.9}
+    runs = synthetic_runs(_configs(), sim, stage_factors=factors, prefill_factor=1.3, rest_factors=rest)
     rep = validate(runs, sim, "context")
     assert rep.n_calibration > 0 and rep.n_test > 0
     assert rep.raw["tpot"]["mape"] > 0.05 and rep.raw["tt2t"]["bias"] < -0.1  # the distortion shows ...
@@ -64,6 +65,8 @@ def test_known_stage_distortions_are_detected_raw_and_removed_by_calibration(sim
     for stage, f in factors.items():
         assert rep.corrections.stage_factors[stage] == pytest.approx(f, rel=1e-6)
     assert rep.corrections.prefill_factor == pytest.approx(1.3, rel=1e-6)
+    for v in {c.variant for c in _configs()}:
+        assert rep.corrections.rest_factors[v] == pytest.approx(rest.get(v, 1.0), rel=1e-6)
 
 
 def test_noisy_runs_meet_the_targets_after_calibration_and_a_broken_model_does_not(sim):

@@ -11,9 +11,30 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from numba import njit
 
 from icecache.core.pager import SemanticPager
 from icecache.indexes.registry import register_pager
+
+
+@njit(nogil=True, cache=True)
+def _page_bounds_score(q, lo, hi, out):
+    """``out[p] = max_g sum_c max(q[g, c] lo[p, c], q[g, c] hi[p, c])`` for ``q`` ``[g, d]``, ``lo``/``hi``
+    ``[pages, d]`` (float32). One thread, no temporaries: torch's version forks onto both cores once
+    ``g x pages x d`` passes its grain size (~170 pages at g = 3, d = 64) and then waits for the core the
+    background insert worker holds (SmolLM2, quest, 7k tokens, page 32: 5.7 -> 24 ms of selects per step)."""
+    G, D = q.shape
+    for p in range(lo.shape[0]):
+        best = np.float32(-np.inf)
+        for g in range(G):
+            s = np.float32(0.0)
+            for c in range(D):
+                a = q[g, c] * lo[p, c]
+                b = q[g, c] * hi[p, c]
+                s += a if a > b else b
+            if s > best:
+                best = s
+        out[p] = best
 
 
 @register_pager("sequential")
@@ -96,11 +117,11 @@ class SequentialPager(SemanticPager):
 
     def _rank_pages(self, queries: torch.Tensor, budget: int) -> tuple[np.ndarray, np.ndarray]:
         # [g, pages, d] -> bound per (query, page) -> max over the group.
-        q = queries[:, None, :]
-        bound = torch.maximum(q * self._kmin[None], q * self._kmax[None]).sum(-1).amax(0)  # [pages]
-        k = min(budget, bound.numel())  # every page holds >= 1 token, so at most `budget` can fit
-        order = torch.sort(-bound, stable=True).indices[:k].numpy()
-        return order.astype(np.int64), bound.numpy()[order]
+        bound = np.empty(self._pages, np.float32)
+        _page_bounds_score(queries.detach().to(torch.float32).contiguous().numpy(), self._kmin.numpy(), self._kmax.numpy(), bound)
+        k = min(budget, bound.shape[0])  # every page holds >= 1 token, so at most `budget` can fit
+        order = np.argsort(-bound, kind="stable")[:k]
+        return order.astype(np.int64), bound[order]
 
     def index_bytes(self) -> int:
         return 2 * self._lo.numel() * 4  # reserved capacity included

@@ -65,6 +65,8 @@ class CalibrationSettings:
     runtime_new_tokens: tuple[int, ...] = (0, 4, 16, 64, 256)
     #: the runtime's CPU sparse-attention kernel (component "loader"): device slots (sink + window + budget)
     sparse_slots: tuple[int, ...] = (96, 192, 384, 768, 1536)
+    #: host-store writes of one prefill job (component "loader"): tokens per KV head
+    store_sync_tokens: tuple[int, ...] = (1024, 4096, 16384)
     #: background share (component "pool"): decode context and prefill length of the foreground
     background_context: int = 1024
     background_prefill_tokens: int = 256
@@ -81,7 +83,7 @@ class CalibrationSettings:
         return cls(
             contexts=(32, 64, 128), attention_tokens=(32, 128, 256), prefill_tokens=(16, 32, 64), qk_tokens=64,
             pager_sizes=(128, 256), page_sizes=(8, 16), budgets=(16, 32), insert_reps=3, pool_threads=(1, 2),
-            pool_size=128, runtime_layer_n=256, runtime_new_tokens=(0, 4, 16), sparse_slots=(16, 64), background_context=32, generate_prompt_tokens=16,
+            pool_size=128, runtime_layer_n=256, runtime_new_tokens=(0, 4, 16), sparse_slots=(16, 64), store_sync_tokens=(64, 256), background_context=32, generate_prompt_tokens=16,
             generate_new_tokens=6,
             background_prefill_tokens=16, reps=2, pager_time_limit_s=10.0,
         )
@@ -245,6 +247,30 @@ def measure_sparse_attention(q_heads: int, kv_heads: int, head_dim: int, slots: 
         fns[n] = att
     secs = interleaved(fns, max(reps, 5) * 3, warmup=2)
     return [{"slots": n, "q_heads": q_heads, "kv_heads": kv_heads, "head_dim": head_dim, "seconds": secs[n]} for n in slots]
+
+
+def measure_store_sync(head_dim: int, dtype: Any, sizes: Sequence[int], page_size: int, reps: int, seed: int = 0) -> list[dict[str, Any]]:
+    """The host-store half of a prefill job (`icecache.runtime.store.HeadStore.sync` of a freshly built pager's
+    ``n`` positions into an empty store: the K/V of every page written into its block), for each ``n``."""
+    import torch
+
+    from icecache.indexes import make_pager
+    from icecache.runtime.store import HeadStore
+
+    g = torch.Generator().manual_seed(seed)
+    prepared = {}
+    for n in sizes:
+        k, v = torch.randn(n, head_dim, generator=g, dtype=dtype), torch.randn(n, head_dim, generator=g, dtype=dtype)
+        pager = make_pager("sequential", head_dim=head_dim, page_size=page_size, seed=seed, record_moves=True)
+        pager.build(k.float())
+        prepared[n] = (pager.table, pager.table.take_moves(), k, v)
+
+    def sync(n: int) -> Callable[[], None]:
+        table, moves, k, v = prepared[n]
+        return lambda: HeadStore(table, head_dim, dtype).sync(list(moves), k, v, first_new=0)
+
+    secs = interleaved({n: sync(n) for n in sizes}, max(reps, 3), warmup=1)
+    return [{"tokens": n, "page_size": page_size, "head_dim": head_dim, "seconds": secs[n]} for n in sizes]
 
 
 def measure_lm_head(model: Any, reps: int) -> list[dict[str, Any]]:
@@ -697,6 +723,7 @@ def fit_profile_predictors(samples: dict[str, Any], statistic: str = "p25") -> d
     fit("decode_step", "affine", samples.get("decode_step", []), ["context"])
     fit("attention", "affine", samples.get("attention", []), ["kv_tokens"])
     fit("sparse_attention", "affine", samples.get("sparse_attention", []), ["slots"])
+    fit("store_sync", "affine", samples.get("store_sync", []), ["tokens"])
     fit("lm_head", "constant", samples.get("lm_head", []), [])
     fit("prefill", "quadratic", samples.get("prefill", []), ["tokens"])
     for r in samples.get("generate_step", [])[:1]:
@@ -786,7 +813,7 @@ COMPONENTS: dict[str, tuple[str, ...]] = {
     "model": ("decode_step", "attention", "lm_head", "prefill", "generate_step"),
     "pagers": ("pagers",),
     "pool": ("pool", "background"),
-    "loader": ("gather", "copy", "scatter", "runtime_layer", "sparse_attention"),
+    "loader": ("gather", "copy", "scatter", "runtime_layer", "sparse_attention", "store_sync"),
 }
 
 
@@ -942,6 +969,9 @@ def run_calibration(
         log("sparse attention kernel vs device slots ...")
         samples["sparse_attention"] = measure_sparse_attention(shape.q_heads, shape.kv_heads, shape.head_dim, s.sparse_slots, s.reps,
                                                                s.seed)
+        log("host store writes of a prefill job vs tokens ...")
+        samples["store_sync"] = measure_store_sync(shape.head_dim, model.dtype, s.store_sync_tokens,
+                                                   16 if 16 in s.page_sizes else s.page_sizes[0], s.reps, s.seed)
     info["loadavg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     wall = time.perf_counter() - t0
     created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")

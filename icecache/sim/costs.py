@@ -602,9 +602,14 @@ class MeasuredCosts:
         return self._p(name, [max(n, 1), max(budget, 1), page_size], notes) * self._shape_ratio(shape, "query", notes)
 
     def build_job_s(self, shape: Any, pager: str, n: int, page_size: int, notes: list[str] | None = None) -> float:
-        """Index build of one KV head over ``n`` tokens."""
+        """One KV head's prefill job over ``n`` tokens: the index build, plus writing the K/V into the host store's
+        pages when the profile measured that (``store_sync``; older profiles: the build only, noted)."""
         name = self._pager_name(pager, "build", notes)
-        return self._p(name, [max(n, 1), page_size], notes) * self._shape_ratio(shape, "build", notes)
+        build = self._p(name, [max(n, 1), page_size], notes) * self._shape_ratio(shape, "build", notes)
+        if "store_sync" not in self.profile.predictors:
+            _note(notes, "host-store writes of prefill jobs not measured; counted as 0")
+            return build
+        return build + self._p("store_sync", [max(n, 1)], notes) * self._shape_ratio(shape, "build", notes)
 
     def insert_job_s(self, shape: Any, pager: str, n: int, notes: list[str] | None = None) -> float:
         """Insertion of one token (leaving the window) into one KV head's index of ``n`` tokens."""

@@ -223,28 +223,41 @@ def split_runs(runs: Sequence[MeasuredRun], rule: str, seed: int = 0) -> tuple[l
 
 @dataclass(frozen=True)
 class Corrections:
-    """Per-stage factors (measured / predicted) and the prefill factor, fitted on calibration runs."""
+    """Factors (measured / predicted) fitted on calibration runs: per runtime stage; per variant for the untimed
+    rest of a decode step (the model's own compute, dense layers, per-layer runtime overhead: TPOT minus the
+    timed stages); and for the prefill."""
 
     stage_factors: dict[str, float]
     prefill_factor: float = 1.0
+    rest_factors: dict[str, float] = field(default_factory=dict)
 
-    def apply(self, p: Prediction) -> Prediction:
+    def apply(self, p: Prediction, variant: str | None = None) -> Prediction:
         st = {k: v * self.stage_factors.get(k, 1.0) for k, v in p.stages.items()}
-        tpot = p.tpot_s + sum(st[k] - p.stages[k] for k in st)
+        rest = max(p.tpot_s - sum(p.stages.values()), 0.0)
+        tpot = p.tpot_s + sum(st[k] - p.stages[k] for k in st) + rest * (self.rest_factors.get(variant, 1.0) - 1.0)
         pre = max(p.tt2t_s - p.tpot_s, 0.0) * self.prefill_factor
         return Prediction(tpot, pre + tpot, p.ttft_s * self.prefill_factor, st, p.bytes_per_step)
 
 
 def fit_corrections(preds: Sequence[Prediction], runs: Sequence[MeasuredRun], lo: float = 0.05, hi: float = 20.0) -> Corrections:
-    """Ratio-of-sums factors over the given (calibration) runs, clamped to ``[lo, hi]``; 1 where undefined."""
+    """Ratio-of-sums factors over the given (calibration) runs, clamped to ``[lo, hi]``; 1 where undefined.
+    A variant's rest factor counts only runs that report every stage the prediction has (full attention: none)."""
+    clamp = lambda num, den: min(max(num / den, lo), hi) if den > 0 and num > 0 else 1.0  # noqa: E731
     factors = {}
     for s in RUNTIME_STAGES:
         num = sum(r.stage_seconds[s] for p, r in zip(preds, runs) if s in r.stage_seconds and p.stages.get(s, 0) > 0)
         den = sum(p.stages[s] for p, r in zip(preds, runs) if s in r.stage_seconds and p.stages.get(s, 0) > 0)
-        factors[s] = min(max(num / den, lo), hi) if den > 0 and num > 0 else 1.0
+        factors[s] = clamp(num, den)
+    rest: dict[str, float] = {}
+    for v in sorted({r.variant for r in runs}):
+        pairs = [(p, r) for p, r in zip(preds, runs)
+                 if r.variant == v and all(k in r.stage_seconds for k, x in p.stages.items() if x > 0)]
+        num = sum(max(r.tpot_s - sum(r.stage_seconds.values()), 0.0) for _, r in pairs)
+        den = sum(max(p.tpot_s - sum(p.stages.values()), 0.0) for p, _ in pairs)
+        rest[v] = clamp(num, den)
     num = sum(max(r.tt2t_s - r.tpot_s, 0.0) for r in runs)
     den = sum(max(p.tt2t_s - p.tpot_s, 0.0) for p in preds)
-    return Corrections(factors, min(max(num / den, lo), hi) if den > 0 and num > 0 else 1.0)
+    return Corrections(factors, clamp(num, den), rest)
 
 
 def error_stats(pred: Sequence[float], meas: Sequence[float]) -> dict[str, float]:
@@ -357,7 +370,8 @@ class ValidationReport:
         lines += [
                   "Stage corrections (measured / predicted on the calibration runs): "
                   + ", ".join(f"{k} x{v:.2f}" for k, v in self.corrections.stage_factors.items())
-                  + f"; prefill x{self.corrections.prefill_factor:.2f}", ""]
+                  + f"; prefill x{self.corrections.prefill_factor:.2f}; rest of the decode step (TPOT minus the timed stages) "
+                  + ", ".join(f"{k} x{v:.2f}" for k, v in self.corrections.rest_factors.items()), ""]
         for which in ("raw", "corrected"):
             lines += [f"Targets ({which}): " + ", ".join(f"{k} {'pass' if v else 'FAIL'}" for k, v in self.passes(which).items()), ""]
         lines += ["Per variant (scored runs): TPOT / TT2T MAPE and bias, raw -> corrected", "",
@@ -387,7 +401,7 @@ def validate(runs: Sequence[MeasuredRun], sim: Any, rule: str = "context", seed:
     preds = predict_runs(runs, sim, hit, traced)
     cal, test = split_runs(runs, rule, seed)
     corr = fit_corrections([preds[i] for i in cal], [runs[i] for i in cal]) if cal else Corrections({s: 1.0 for s in RUNTIME_STAGES})
-    fixed = [corr.apply(p) for p in preds]
+    fixed = [corr.apply(p, r.variant) for p, r in zip(preds, runs)]
 
     def metrics(ps: Sequence[Prediction]) -> dict[str, dict[str, float]]:
         out = {
@@ -423,13 +437,14 @@ def validate(runs: Sequence[MeasuredRun], sim: Any, rule: str = "context", seed:
 
 def synthetic_runs(
     configs: Sequence[SimConfig], sim: Any, *, stage_factors: dict[str, float] | None = None, prefill_factor: float = 1.0,
-    noise: float = 0.0, seed: int = 0,
+    noise: float = 0.0, seed: int = 0, rest_factors: dict[str, float] | None = None,
 ) -> list[MeasuredRun]:
     """Measured runs made from the simulator itself with known distortions (for testing `validate`).
 
     Each runtime stage is multiplied by ``stage_factors[stage]`` and by log-normal noise of relative size
     ``noise``; TPOT is the simulated one (`SimResult.tpot_mean_s`, as the runtime defines it) plus the
-    stages' changes, TT2T the distorted prefill plus TPOT.
+    stages' changes and the rest of the step (TPOT minus the stages) times ``rest_factors[variant]``; TT2T the
+    distorted prefill plus TPOT.
     """
     rng = random.Random(seed)
     out = []
@@ -438,6 +453,7 @@ def synthetic_runs(
         st0 = runtime_stages(res)
         st = {k: v * (stage_factors or {}).get(k, 1.0) * math.exp(rng.gauss(0.0, noise)) for k, v in st0.items()}
         tpot = res.tpot_mean_s + sum(st[k] - st0[k] for k in st)
+        tpot += max(res.tpot_mean_s - sum(st0.values()), 0.0) * ((rest_factors or {}).get(cfg.variant, 1.0) - 1.0)
         pre = (res.tt2t_s - res.tpot_mean_s) * prefill_factor * math.exp(rng.gauss(0.0, noise))
         out.append(MeasuredRun(
             variant=cfg.variant, model=cfg.model, context=cfg.context, budget=cfg.budget, page_size=cfg.page_size,
