@@ -86,6 +86,11 @@ def test_quick_calibration_end_to_end(tiny_llama, tmp_path):
     assert set(back.predictors) >= {"decode_step", "attention", "lm_head", "prefill", "gather", "copy", "scatter",
                                     "loader_other", "append", "overhead", "sparse_attention", "store_sync"}
     assert 0.0 <= back.meta["background_share"] <= 1.0 and 0.0 <= back.meta["background_share_prefill"] <= 1.0
+    pipe = back.samples["prefill_pipeline"]
+    assert {(r["tokens"], r["method"]) for r in pipe} == {(n, m) for n in (96, 160) for m in ("full", "mdci", "sequential")}
+    assert all(len(r["ttft_s"]) == 1 and 0 < r["ttft_s"][0] < r["tt2t_s"][0] for r in pipe)
+    assert all(r["index_build_s"][0] > 0 for r in pipe if r["method"] != "full") and pipe[0]["sparse_layers"] == 2
+    assert "prefill_generate" in back.predictors
     assert back.meta["shape"]["layers"] == 4 and back.samples["decode_step"]
     register_shape(shape_from_config(tiny_llama.config, "tiny-llama"))
     costs = make_costs(get_hardware("this-machine", prof), prof, "allow")
@@ -106,9 +111,30 @@ def test_merging_profiles_keeps_what_was_not_remeasured():
     m = merge_profiles(base, new, ["loader"])
     assert m.samples["decode_step"] == base.samples["decode_step"] and m.samples["copy"] == new.samples["copy"]
     assert m.predictors["copy"].params[0] + m.predictors["copy"].params[1] * 1e6 == pytest.approx(2e-4)
-    assert [r["components"] for r in m.meta["runs"]] == [["model", "pagers", "pool"], ["loader"]]
+    assert [r["components"] for r in m.meta["runs"]] == [["model", "pagers", "pipeline", "pool"], ["loader"]]
     with pytest.raises(ConfigError, match="components"):
         merge_profiles(base, new, ["gpu"])
     other = dataclasses.replace(new, machine={**new.machine, "cpu_model": "other"})
     with pytest.raises(ConfigError, match="machines"):
         merge_profiles(base, other, ["loader"])
+
+
+def test_prefill_pipeline_fit_takes_each_pagers_cost_over_full_per_job():
+    from icecache.sim.calibrate import fit_profile_predictors
+
+    def row(n: int, method: str, ttft: float) -> dict:
+        return {"tokens": n, "method": method, "ttft_s": [ttft, ttft * 1.5], "tt2t_s": [ttft + 0.1] * 2, "index_build_s": [0.0] * 2,
+                "sparse_layers": 28, "kv_heads": 3, "sink": 4, "window": 64}
+
+    full = {1024: 1.0, 2048: 2.5, 4096: 7.0}
+    extra = {1024: 0.84, 2048: 1.68, 4096: 3.36}  # 10/20/40 ms per job (84 jobs)
+    rows = [row(n, "full", t) for n, t in full.items()] + [row(n, "mdci", full[n] + extra[n]) for n in full]
+    rows.append(row(1024, "sequential", 0.9))  # faster than full (noise): left out, no predictor from nothing
+    preds = fit_profile_predictors({"prefill_pipeline": rows}, "min")
+    assert "prefill_inline/sequential" not in preds
+    p = preds["prefill_inline/mdci"]
+    for n, e in extra.items():
+        assert p.formula([n - 68]) == pytest.approx(e / 84, rel=1e-9)
+    assert p.lo == (1024 - 68,) and p.hi == (4096 - 68,)
+    for n, t in full.items():
+        assert preds["prefill_generate"].formula([n]) == pytest.approx(t, rel=1e-6)

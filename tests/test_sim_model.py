@@ -366,3 +366,29 @@ def test_stage_timers_on_a_shared_machine_include_the_wait_for_background_work()
     assert res.busy["attend"] == pytest.approx(n_layers * t["attend"], rel=1e-9)
     assert res.timed["attend"] == pytest.approx(n_layers * (t["attend"] + share * heads * t["insert"]), rel=1e-9)
     assert res.timed["select"] == pytest.approx(res.busy["select"], rel=1e-9)
+
+
+def test_measured_inline_prefill_jobs_replace_the_pool_model_on_a_shared_machine():
+    """A profile that timed real prefills: each sparse layer's jobs cost kv_heads x the measured inline time on
+    the caller, so TTFT is the serial sum of compute, those and the LM head; without it, unchanged."""
+    import dataclasses
+
+    from icecache.sim.costs import MeasuredCosts, Predictor
+    from icecache.sim.model import plan_prefill
+    from icecache.sim.testing import synthetic_profile
+
+    base = synthetic_profile()
+    inline = Predictor("prefill_inline/sequential", "power", ("n",), (0.0, 1e-6, 1.0), (100.0,), (4000.0,))
+    prof = dataclasses.replace(base, predictors={**base.predictors, inline.name: inline})
+    cfg = SimConfig("smollm2-135m-instruct", "this-machine", "quest", 2000, budget=64, page_size=16, threads=1, dense_layers=2)
+    costs, plain = MeasuredCosts(prof, extrapolation="allow"), MeasuredCosts(base, extrapolation="allow")
+    plan = plan_prefill(cfg, costs)
+    mid = 2000 - cfg.sink - cfg.window
+    assert [pl.inline_s for pl in plan.layers] == [0.0, 0.0] + [pytest.approx(3 * 1e-6 * mid)] * 28
+    assert all(pl.build_jobs == 0 for pl in plan.layers)
+    res = simulate(cfg, costs)
+    # offloads share the one CPU too; the last layer's comes after the LM head
+    serial = sum(pl.compute_s + pl.inline_s + pl.offload_s for pl in plan.layers) - plan.layers[-1].offload_s + plan.head_s
+    assert res.ttft_s == pytest.approx(serial, rel=1e-9)
+    assert all(pl.build_jobs == 3 for pl in plan_prefill(cfg, plain).layers[2:])
+    assert all(pl.inline_s == 0 for pl in plan_prefill(cfg.replace(variant="icecache"), costs).layers)  # mdci not measured

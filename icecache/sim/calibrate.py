@@ -67,6 +67,9 @@ class CalibrationSettings:
     sparse_slots: tuple[int, ...] = (96, 192, 384, 768, 1536)
     #: host-store writes of one prefill job (component "loader"): tokens per KV head
     store_sync_tokens: tuple[int, ...] = (1024, 4096, 16384)
+    #: real prefills, full vs the runtime's pipeline with each pager (component "pipeline"): prompt tokens, rounds
+    pipeline_tokens: tuple[int, ...] = (1024, 2048, 4096, 8192)
+    pipeline_rounds: int = 3
     #: background share (component "pool"): decode context and prefill length of the foreground
     background_context: int = 1024
     background_prefill_tokens: int = 256
@@ -84,6 +87,7 @@ class CalibrationSettings:
             contexts=(32, 64, 128), attention_tokens=(32, 128, 256), prefill_tokens=(16, 32, 64), qk_tokens=64,
             pager_sizes=(128, 256), page_sizes=(8, 16), budgets=(16, 32), insert_reps=3, pool_threads=(1, 2),
             pool_size=128, runtime_layer_n=256, runtime_new_tokens=(0, 4, 16), sparse_slots=(16, 64), store_sync_tokens=(64, 256), background_context=32, generate_prompt_tokens=16,
+            pipeline_tokens=(96, 160), pipeline_rounds=1,
             generate_new_tokens=6,
             background_prefill_tokens=16, reps=2, pager_time_limit_s=10.0,
         )
@@ -701,6 +705,82 @@ def measure_background_share(
     return out
 
 
+def measure_prefill_pipeline(
+    model: Any, input_ids: Any, tokens: Sequence[int], pagers: Sequence[str], page_size: int, budget: int, threads: int,
+    rounds: int, seed: int = 0,
+) -> list[dict[str, Any]]:
+    """Time to first and second token of real generations through ``model.generate``: full attention and the
+    runtime's pipelined prefill with each of ``pagers`` (default `IceCacheConfig` otherwise), at each prompt
+    length in ``tokens``.
+
+    On a machine whose model compute and index builds share the same cores, an index build job inside a
+    prefill runs several times slower than alone (compute's threads and the builds' worker compete for cores
+    and caches), so the prefill's cost over full attention is measured here, as it happens, instead of being
+    composed from isolated job times. ``rounds`` rounds after one warm-up, each over every (length, method) in
+    its own shuffled order. One row per (tokens, method): ``ttft_s``/``tt2t_s`` lists, the cache's
+    ``index_build_seconds`` (sum of the build jobs' wall times) and the layout (sparse layers, KV heads).
+    """
+    import random
+
+    import torch
+
+    from icecache.core.config import IceCacheConfig
+    from icecache.runtime.cache import IceCache
+    from icecache.runtime.generate import icecache_attention
+
+    class Clock:  # a streamer that time-stamps every put (put 0: the prompt)
+        def __init__(self) -> None:
+            self.t: list[float] = []
+
+        def put(self, value: Any) -> None:
+            self.t.append(time.perf_counter())
+
+        def end(self) -> None:
+            pass
+
+    methods = ["full", *pagers]
+    rows = {(n, m): {"tokens": n, "method": m, "ttft_s": [], "tt2t_s": [], "index_build_s": []} for n in tokens for m in methods}
+    kv_heads = int(model.config.num_key_value_heads)
+    layers = int(model.config.num_hidden_layers)
+
+    def run(n: int, m: str) -> tuple[float, float, float]:
+        ids = input_ids[:, :n]
+        clock = Clock()
+        kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, min_new_tokens=2, do_sample=False,
+                  streamer=clock, pad_token_id=0)
+        if m == "full":
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                model.generate(**kw)
+            return clock.t[1] - t0, clock.t[2] - t0, 0.0
+        cfg = IceCacheConfig(index=m, budget=budget, page_size=page_size, threads=threads, seed=seed)
+        with icecache_attention(model), IceCache(model.config, cfg) as cache:
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                model.generate(**kw, past_key_values=cache)
+            built = float(cache.stats().get("index_build_seconds", 0.0))
+        return clock.t[1] - t0, clock.t[2] - t0, built
+
+    for m in methods:  # warm-up: JIT compilation, allocator, thread start-up
+        run(min(tokens), m)
+    rng = random.Random(seed)
+    for _ in range(rounds):
+        order = list(rows)
+        rng.shuffle(order)
+        for n, m in order:
+            ttft, tt2t, built = run(n, m)
+            rows[n, m]["ttft_s"].append(ttft)
+            rows[n, m]["tt2t_s"].append(tt2t)
+            rows[n, m]["index_build_s"].append(built)
+    dense = IceCacheConfig().dense_layers
+    sparse = sum(1 for layer in range(layers) if layer not in dense)
+    d = IceCacheConfig()
+    for r in rows.values():
+        r.update(sparse_layers=sparse, kv_heads=kv_heads, sink=d.sink, window=d.window, page_size=page_size, budget=budget,
+                 threads=threads)
+    return list(rows.values())
+
+
 # ---------------------------------------------------------------------------------------------- fitting
 def _points(rows: list[dict[str, Any]], features: Sequence[str], statistic: str = "p25") -> tuple[np.ndarray, np.ndarray]:
     X = np.array([[float(r[f]) for f in features] for r in rows], dtype=float).reshape(len(rows), len(features))
@@ -730,6 +810,7 @@ def fit_profile_predictors(samples: dict[str, Any], statistic: str = "p25") -> d
         extra = STATISTICS[statistic](r["generate_s"]) - STATISTICS[statistic](r["forward_s"])
         preds["step_other"] = Predictor(name="step_other", form="constant", features=(), params=(max(extra, 0.0),), lo=(), hi=(),
                                         fit_mape=0.0, n_points=len(r["generate_s"]))
+    _fit_prefill_pipeline(samples.get("prefill_pipeline", []), preds, statistic)
     if samples.get("runtime_layer"):
         _fit_runtime_layer(samples["runtime_layer"], preds, statistic)
     else:  # profiles measured before the runtime existed: page gathers of a synthetic store
@@ -741,6 +822,30 @@ def fit_profile_predictors(samples: dict[str, Any], statistic: str = "p25") -> d
         fit(f"build/{name}", "pwpower", rows["build"], ["n", "page_size"])
         fit(f"insert/{name}", "pwpower", rows["insert"], ["n"])
     return preds
+
+
+def _fit_prefill_pipeline(rows: list[dict[str, Any]], preds: dict[str, Predictor], statistic: str) -> None:
+    """``prefill_generate`` (full attention's time to first token through ``generate`` vs prompt tokens) and
+    ``prefill_inline/<pager>`` (the runtime's prefill minus full attention's at the same length, per prefill
+    job: per sparse layer and KV head, vs the job's tokens ``n = tokens - sink - window``) from
+    `measure_prefill_pipeline` rows. A point whose difference is not positive (noise) is left out."""
+    stat = STATISTICS[statistic]
+    full = {r["tokens"]: stat(r["ttft_s"]) for r in rows if r["method"] == "full" and r["ttft_s"]}
+    if full:
+        X = np.array([[float(n)] for n in sorted(full)])
+        preds["prefill_generate"] = fit_predictor("prefill_generate", "quadratic", ["tokens"], X, np.array([full[n] for n in sorted(full)]))
+    by_pager: dict[str, list[tuple[float, float]]] = {}
+    for r in rows:
+        n = r["tokens"]
+        if r["method"] == "full" or n not in full or not r["ttft_s"]:
+            continue
+        extra = (stat(r["ttft_s"]) - full[n]) / (r["sparse_layers"] * r["kv_heads"])
+        if extra > 0:
+            by_pager.setdefault(r["method"], []).append((float(n - r["sink"] - r["window"]), extra))
+    for pager, pts in by_pager.items():
+        pts.sort()
+        preds[f"prefill_inline/{pager}"] = fit_predictor(f"prefill_inline/{pager}", "pwpower", ["n"], np.array([[x] for x, _ in pts]),
+                                                         np.array([y for _, y in pts]))
 
 
 def _fit_runtime_layer(data: dict[str, Any], preds: dict[str, Predictor], statistic: str) -> None:
@@ -814,6 +919,7 @@ COMPONENTS: dict[str, tuple[str, ...]] = {
     "pagers": ("pagers",),
     "pool": ("pool", "background"),
     "loader": ("gather", "copy", "scatter", "runtime_layer", "sparse_attention", "store_sync"),
+    "pipeline": ("prefill_pipeline",),
 }
 
 
@@ -910,7 +1016,7 @@ def run_calibration(
     log(f"calibrating {', '.join(components)} on {info['cpu_model']} ({info['cpu_count']} CPUs, torch threads "
         f"{info['torch_threads']}, load average {info['loadavg_start']})")
     samples: dict[str, Any] = {}
-    n_ids = max(s.qk_tokens, max(s.prefill_tokens))
+    n_ids = max(s.qk_tokens, max(s.prefill_tokens), max(s.pipeline_tokens) if "pipeline" in components else 0)
     if tokenizer is not None:
         ids = prompt_ids(tokenizer, n_ids)
     else:
@@ -972,6 +1078,12 @@ def run_calibration(
         log("host store writes of a prefill job vs tokens ...")
         samples["store_sync"] = measure_store_sync(shape.head_dim, model.dtype, s.store_sync_tokens,
                                                    16 if 16 in s.page_sizes else s.page_sizes[0], s.reps, s.seed)
+    if "pipeline" in components:
+        pipe_pagers = [p for p in (s.pagers if s.pagers is not None else ("mdci", "sequential")) if p in available_pagers()]
+        log(f"real prefills: full vs the runtime's pipeline with {', '.join(pipe_pagers)} at {list(s.pipeline_tokens)} tokens ...")
+        samples["prefill_pipeline"] = measure_prefill_pipeline(
+            model, ids, s.pipeline_tokens, pipe_pagers, 16 if 16 in s.page_sizes else s.page_sizes[0], max(s.budgets), 1,
+            s.pipeline_rounds, s.seed)
     info["loadavg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     wall = time.perf_counter() - t0
     created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")

@@ -583,7 +583,9 @@ class MeasuredCosts:
         time here: transformers' SDPA path applies the window as a mask over the causal attention, so the CPU
         computes every score anyway."""
         ref = self.measured_shape
-        total = self._p("prefill", [tokens], notes) - self.profile.predictor("lm_head").params[0]
+        # time to first token through ``generate`` when the profile measured real prefills, else model forwards
+        name = "prefill_generate" if "prefill_generate" in self.profile.predictors else "prefill"
+        total = self._p(name, [tokens], notes) - self.profile.predictor("lm_head").params[0]
         return max(total, 0.0) / ref.layers * self._shape_ratio(shape, "weights", notes)
 
     # -- host side
@@ -610,6 +612,16 @@ class MeasuredCosts:
             _note(notes, "host-store writes of prefill jobs not measured; counted as 0")
             return build
         return build + self._p("store_sync", [max(n, 1)], notes) * self._shape_ratio(shape, "build", notes)
+
+    def prefill_inline_job_s(self, shape: Any, pager: str, n: int, notes: list[str] | None = None) -> float | None:
+        """What one prefill job (one sparse layer's KV head, ``n`` tokens) adds to a real prefill on this machine,
+        where compute and the jobs share the cores (``prefill_inline/<pager>``, measured by the calibration's
+        "pipeline" component); None when the profile did not measure it (the simulator then composes the
+        prefill from isolated job times, `build_job_s`)."""
+        name = f"prefill_inline/{pager}"
+        if name not in self.profile.predictors:
+            return None
+        return self._p(name, [max(n, 1)], notes) * self._shape_ratio(shape, "build", notes)
 
     def insert_job_s(self, shape: Any, pager: str, n: int, notes: list[str] | None = None) -> float:
         """Insertion of one token (leaving the window) into one KV head's index of ``n`` tokens."""

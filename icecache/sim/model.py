@@ -270,6 +270,9 @@ class PrefillLayer:
     offload_s: float = 0.0
     build_jobs: int = 0
     build_job_s: float = 0.0
+    #: the layer's prefill jobs as measured inside a real prefill on a shared machine (seconds the caller loses;
+    #: replaces ``build_jobs`` there)
+    inline_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -388,6 +391,9 @@ def plan_prefill(cfg: SimConfig, costs: Any, notes: list[str] | None = None) -> 
     _, index_of = _groups([l for l, r in enumerate(roles) if r == "sparse"], cfg.reuse, cfg.variant)
     sparse_any = "sparse" in roles
     build = costs.build_job_s(shape, cfg.pager_name, mid, cfg.page_size, notes) if (sparse_any and mid) else 0.0
+    # a shared machine whose profile timed real prefills: the jobs' measured cost inside a prefill, on the caller
+    inline = (costs.prefill_inline_job_s(shape, cfg.pager_name, mid, notes)
+              if (sparse_any and mid and is_shared(costs) and cfg.impl == "runtime") else None)
     off = costs.copy_d2h_s(mid * shape.kv_bytes_per_token_layer(dtype), 1 if mid else 0, notes) if sparse_any else 0.0
     layers = []
     for l in range(shape.layers):
@@ -397,7 +403,10 @@ def plan_prefill(cfg: SimConfig, costs: Any, notes: list[str] | None = None) -> 
             layers.append(PrefillLayer(g))
         else:
             builds = mid > 0 and (cfg.impl == "runtime" or index_of[l] == l)
-            layers.append(PrefillLayer(g, off, shape.kv_heads if builds else 0, build if builds else 0.0))
+            if inline is not None:
+                layers.append(PrefillLayer(g, off, inline_s=shape.kv_heads * inline))
+            else:
+                layers.append(PrefillLayer(g, off, shape.kv_heads if builds else 0, build if builds else 0.0))
     threads = min(cfg.threads, costs.host_threads)
     return PrefillPlan(tuple(layers), costs.head_s(shape, notes), threads, costs.pool_efficiency(threads, notes), is_shared(costs),
                        costs.background_share(notes, phase="prefill") if cfg.impl == "runtime" else 1.0)
@@ -613,6 +622,7 @@ class Machine:
         posts = []
         for l, pl in enumerate(plan.layers):
             yield from self.hold(self.device, pl.compute_s, "prefill")
+            yield from self.hold(self.device, pl.inline_s, "build")
             posts.append(self.env.process(self._post(pl, index_ready[l])))
         yield from self.hold(self.device, plan.head_s, "prefill")
         marks["ttft"] = self.env.now
