@@ -79,6 +79,24 @@ def test_bisection_crossover_agrees_with_the_grid():
     assert above < sim.run(cfg.replace(context=int(x * 1.1), variant="full"), with_prefill=False).tpot_s
 
 
+def test_host_scale_matching_reproduces_the_asked_tpot():
+    import dataclasses
+
+    from icecache.sim.sweep import _scale_matching
+
+    prof = synthetic_profile()
+    sim = Simulator(prof)
+    cfg = SimConfig("qwen3-4b", "h100", "icecache", 36_000, threads=64, impl="paper")
+    base = sim.run(cfg, with_prefill=False).tpot_s
+    scale0 = sim.costs("h100-sxm").host_time_scale
+    s = _scale_matching(sim, prof, None, "allow", cfg, base * 1.5)
+    assert s > scale0
+    alt = Simulator(prof)
+    alt._costs["h100-sxm"] = dataclasses.replace(sim.costs("h100-sxm"), host_time_scale=s)
+    assert alt.run(cfg, with_prefill=False).tpot_s == pytest.approx(base * 1.5, rel=1e-6)
+    assert math.isnan(_scale_matching(sim, prof, None, "allow", cfg, base * 1e6))  # unreachable: no scale
+
+
 def test_sweep_command_writes_csv_markdown_and_plots(tmp_path, capsys):
     prof = synthetic_profile().save(tmp_path / "profile.json")
     out = tmp_path / "sweep"

@@ -275,6 +275,25 @@ def _fmt_tokens(x: float) -> str:
     return f"{x / 1000:.0f}k"
 
 
+def _scale_matching(sim: Simulator, profile: Any, hit: Any, extrapolation: str, cfg: SimConfig, tpot_s: float) -> float:
+    """The host time scale at which ``cfg``'s simulated TPOT equals ``tpot_s`` (bisection in log scale; TPOT grows
+    with the host's index work)."""
+    costs = sim.costs(cfg.hardware)
+
+    def tpot(scale: float) -> float:
+        alt = Simulator(profile, hit, extrapolation)
+        alt._costs[cfg.hardware] = dataclasses.replace(costs, host_time_scale=scale)
+        return alt.run(cfg, with_prefill=False).tpot_s
+
+    lo, hi = 1e-3, 1e3
+    if not tpot(lo) <= tpot_s <= tpot(hi):
+        return math.nan
+    for _ in range(60):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if tpot(mid) < tpot_s else (lo, mid)
+    return math.sqrt(lo * hi)
+
+
 def crossover_report(args: Any) -> str:
     """The ``crossover`` command: where the variant and full KV swap places, what drives it, and how sensitive it is."""
     from icecache.sim import anchors
@@ -327,6 +346,15 @@ def crossover_report(args: Any) -> str:
         lines.append(f"paper (lines through its two points): {_fmt_tokens(ref)}; its {cfg.variant} line "
                      f"{line.intercept_s * 1e3:.0f} ms + {line.slope_s_per_token * 1e6:.2f} us/token vs full "
                      f"{anchors.PAPER_H100_QWEN3_FULL.intercept_s * 1e3:.0f} ms + {anchors.PAPER_H100_QWEN3_FULL.slope_s_per_token * 1e6:.2f} us/token")
+        # level vs growth: a host scale fitted to the checked line itself at one context (a diagnostic, not a
+        # projection: it uses the target), then where the lines cross with that level
+        for n_fit in (36_000, 100_000):
+            s_fit = _scale_matching(sim, profile, hit, args.extrapolation, cfg.replace(context=n_fit), line.tpot_s(n_fit))
+            alt = Simulator(profile, hit, args.extrapolation)
+            alt._costs[cfg.hardware] = dataclasses.replace(costs, host_time_scale=s_fit)
+            lines.append(f"diagnostic (fitted to the paper's {cfg.variant} line itself): host index work x{s_fit / scale:.2f} makes "
+                         f"{_fmt_tokens(n_fit)} match it ({line.tpot_s(n_fit) * 1e3:.0f} ms); then faster at "
+                         f"{_fmt_tokens(find_crossover(alt, cfg))}")
     return "\n".join(lines)
 
 
