@@ -13,7 +13,8 @@ conservation invariant, checked by `IceCache.check_conservation`). Prefill (``q_
 its middle K/V goes to the host store and the pagers are built on the prefill pipeline's threads while
 the next layers compute. Decode (``q_len == 1``) attends sparsely over the device buffer after the
 `BulkLoader` has brought in the selected pages. Layers listed in ``dense_layers`` keep full KV
-(`transformers.DynamicLayer`); sliding-window layers keep their window (`DynamicSlidingWindowLayer`).
+(`GrowingLayer`: a `DynamicLayer` that appends in place); sliding-window layers keep their window
+(`DynamicSlidingWindowLayer`).
 """
 
 from __future__ import annotations
@@ -25,13 +26,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
 from icecache.core.config import IceCacheConfig
 from icecache.core.errors import CacheMisuseError, ConfigError, InputError
 from icecache.indexes.registry import make_pager
 from icecache.runtime import link
 from icecache.runtime.cpu_attention import sparse_attention_cpu
+from icecache.runtime.dense_layer import GrowingLayer
 from icecache.runtime.loader import BulkLoader
 from icecache.runtime.malloc import pin_mmap_threshold, trim_heap
 from icecache.runtime.prefill import PrefillPipeline
@@ -392,7 +394,7 @@ class IceCache(Cache):
                 layers.append(DynamicSlidingWindowLayer(text_cfg.sliding_window))
                 self.kind.append("sliding")
             elif i in self.ice.dense_layers:
-                layers.append(DynamicLayer())
+                layers.append(GrowingLayer())
                 self.kind.append("dense")
             else:
                 layers.append(IceCacheLayer(self, i, H, D))
@@ -603,6 +605,8 @@ class IceCache(Cache):
                 layer.loader = None
                 layer.buf_k = layer.buf_v = layer.keys = layer.values = None
                 layer.is_initialized = False
+            elif isinstance(layer, GrowingLayer):
+                layer.release()
             elif layer.is_initialized:
                 layer.keys = layer.values = None
                 layer.is_initialized = False
