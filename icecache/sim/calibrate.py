@@ -305,6 +305,19 @@ def measure_prefill(model: Any, input_ids: Any, tokens: Sequence[int], reps: int
     return [{"tokens": n, "seconds": secs[n]} for n in tokens]
 
 
+class _StampStreamer:
+    """A `generate` streamer that time-stamps every put (put 0: the prompt, put k: the k-th new token)."""
+
+    def __init__(self) -> None:
+        self.t: list[float] = []
+
+    def put(self, value: Any) -> None:
+        self.t.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
 def measure_generate_step(model: Any, input_ids: Any, new_tokens: int, reps: int, seed: int = 0) -> list[dict[str, Any]]:
     """What `transformers`' ``generate`` adds to each decode step beyond the model's forward.
 
@@ -319,20 +332,10 @@ def measure_generate_step(model: Any, input_ids: Any, new_tokens: int, reps: int
     cache = _filled_cache(model, ctx, seed)
     ids = torch.tensor([[7]])
 
-    class Clock:
-        def __init__(self) -> None:
-            self.t: list[float] = []
-
-        def put(self, value: Any) -> None:
-            self.t.append(time.perf_counter())
-
-        def end(self) -> None:
-            pass
-
     gen: list[float] = []
     fwd: list[float] = []
     for r in range(reps + 1):
-        clock = Clock()
+        clock = _StampStreamer()
         with torch.inference_mode():
             model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens,
                            min_new_tokens=new_tokens, do_sample=False, streamer=clock, pad_token_id=0)
@@ -728,16 +731,6 @@ def measure_prefill_pipeline(
     from icecache.runtime.cache import IceCache
     from icecache.runtime.generate import icecache_attention
 
-    class Clock:  # a streamer that time-stamps every put (put 0: the prompt)
-        def __init__(self) -> None:
-            self.t: list[float] = []
-
-        def put(self, value: Any) -> None:
-            self.t.append(time.perf_counter())
-
-        def end(self) -> None:
-            pass
-
     methods = ["full", *pagers]
     rows = {(n, m): {"tokens": n, "method": m, "ttft_s": [], "tt2t_s": [], "index_build_s": []} for n in tokens for m in methods}
     kv_heads = int(model.config.num_key_value_heads)
@@ -745,7 +738,7 @@ def measure_prefill_pipeline(
 
     def run(n: int, m: str) -> tuple[float, float, float]:
         ids = input_ids[:, :n]
-        clock = Clock()
+        clock = _StampStreamer()
         kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, min_new_tokens=2, do_sample=False,
                   streamer=clock, pad_token_id=0)
         if m == "full":
