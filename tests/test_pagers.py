@@ -210,3 +210,17 @@ def test_sequential_bound_is_an_upper_bound():
     for i, pid in enumerate(sel.pages.tolist()):
         pos = pager.pages()[pid]
         assert float(s[pos].max()) <= float(sel.scores[i]) + 1e-5
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    scores=st.lists(st.sampled_from([-np.inf, -2.0, -1.0, 0.0, 0.5, 1.0, 3.0]) | st.floats(-10, 10, width=32), min_size=0, max_size=300),
+    k=st.integers(0, 320),
+)
+def test_top_k_stable_is_the_stable_argsort_prefix(scores, k):
+    from icecache.core.pager import top_k_stable
+
+    s = np.asarray(scores, np.float32)
+    got = top_k_stable(s, k)
+    assert got.dtype == np.int64 or got.size == 0
+    assert np.array_equal(got, np.argsort(-s, kind="stable")[: max(0, min(k, s.size))])

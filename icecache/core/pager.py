@@ -106,6 +106,22 @@ def take_within_budget(sizes: np.ndarray, budget: int) -> int:
     return int(np.searchsorted(csum, budget, side="right"))
 
 
+
+def top_k_stable(scores: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the ``k`` largest ``scores`` ``[n]`` in descending order, ties by index: exactly
+    ``np.argsort(-scores, kind="stable")[:k]``, in O(n + k log k) instead of O(n log n) (a partition, then a
+    sort of the ``k`` winners). Scores must not be NaN."""
+    n = int(scores.shape[0])
+    k = max(0, min(int(k), n))
+    if k == 0:
+        return np.zeros(0, np.int64)
+    if 4 * k >= n:
+        return np.argsort(-scores, kind="stable")[:k]
+    kth = -np.partition(-scores, k - 1)[k - 1]  # the k-th largest value
+    above = np.flatnonzero(scores > kth)
+    cand = np.concatenate([above, np.flatnonzero(scores == kth)[: k - above.size]])
+    return cand[np.lexsort((cand, -scores[cand]))]
+
 class SemanticPager(ABC):
     """Pages of one (layer, KV head) and the query-time choice of which to attend.
 

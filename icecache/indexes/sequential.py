@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from numba import njit
 
-from icecache.core.pager import SemanticPager
+from icecache.core.pager import SemanticPager, top_k_stable
 from icecache.indexes.registry import register_pager
 
 
@@ -120,7 +120,7 @@ class SequentialPager(SemanticPager):
         bound = np.empty(self._pages, np.float32)
         _page_bounds_score(queries.detach().to(torch.float32).contiguous().numpy(), self._kmin.numpy(), self._kmax.numpy(), bound)
         k = min(budget, bound.shape[0])  # every page holds >= 1 token, so at most `budget` can fit
-        order = np.argsort(-bound, kind="stable")[:k]
+        order = top_k_stable(bound, k)  # argsort of every page was ~0.1 ms per select at 2.5k pages
         return order.astype(np.int64), bound[order]
 
     def index_bytes(self) -> int:
