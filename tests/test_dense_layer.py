@@ -66,3 +66,14 @@ def test_decode_appends_in_place_with_amortised_growth():
     assert layer.reserved_bytes() == 2 * layer.capacity * 2 * 8 * 4
     layer.release()
     assert layer.capacity == 0 and layer.keys is None and not layer.is_initialized
+
+
+def test_update_with_other_heads_is_refused():
+    import pytest
+
+    from icecache.core.errors import CacheMisuseError
+
+    layer = GrowingLayer()
+    layer.update(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4))
+    with pytest.raises(CacheMisuseError, match="batch/heads"):
+        layer.update(torch.zeros(1, 3, 1, 4), torch.zeros(1, 3, 1, 4))

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicLayer
 
+from icecache.core.errors import CacheMisuseError
+
 #: smallest capacity increase, in tokens
 MIN_GROWTH = 64
 
@@ -77,9 +79,9 @@ class GrowingLayer(DynamicLayer):
         self._adopt()
         t = int(key_states.shape[-2])
         need = self._len + t
-        if self._kbuf is None or need > self._kbuf.shape[-2] or self._kbuf.shape[:2] != key_states.shape[:2]:
-            if self._kbuf is not None and self._kbuf.shape[:2] != key_states.shape[:2]:
-                raise ValueError(f"cache layer holds batch/heads {tuple(self._kbuf.shape[:2])}, update has {tuple(key_states.shape[:2])}")
+        if self._kbuf is not None and self._kbuf.shape[:2] != key_states.shape[:2]:
+            raise CacheMisuseError(f"cache layer holds batch/heads {tuple(self._kbuf.shape[:2])}, update has {tuple(key_states.shape[:2])}")
+        if self._kbuf is None or need > self._kbuf.shape[-2]:
             self._grow(need, key_states, value_states)
         self._kbuf[:, :, self._len : need].copy_(key_states)
         self._vbuf[:, :, self._len : need].copy_(value_states)

@@ -765,9 +765,8 @@ def measure_prefill_pipeline(
             rows[n, m]["ttft_s"].append(ttft)
             rows[n, m]["tt2t_s"].append(tt2t)
             rows[n, m]["index_build_s"].append(built)
-    dense = IceCacheConfig().dense_layers
-    sparse = sum(1 for layer in range(layers) if layer not in dense)
-    d = IceCacheConfig()
+    d = IceCacheConfig()  # the defaults every run above used besides index/budget/page size/threads
+    sparse = sum(1 for layer in range(layers) if layer not in d.dense_layers)
     for r in rows.values():
         r.update(sparse_layers=sparse, kv_heads=kv_heads, sink=d.sink, window=d.window, page_size=page_size, budget=budget,
                  threads=threads)
