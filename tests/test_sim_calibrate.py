@@ -11,6 +11,7 @@ from icecache.sim.calibrate import (
     capture_qk,
     fit_profile_predictors,
     interleaved,
+    measure_decode_index,
     measure_decode_step,
     measure_pager,
     measure_runtime_layer,
@@ -55,6 +56,52 @@ def test_pager_and_loader_measurements_fit(tiny_llama):
     assert {"select/sequential", "build/sequential", "insert/sequential"} <= set(preds)
 
 
+def test_decode_index_times_every_pager_inside_the_runtimes_decode(tiny_llama):
+    ids = torch.randint(3, 128, (1, 300), generator=torch.Generator().manual_seed(0))
+    rows = measure_decode_index(tiny_llama, ids, "sequential", (64, 128, 400), steps=3, budget=16, page_size=8,
+                                dense_layers=(0,), rounds=2, log=lambda s: None)
+    assert [r["n"] for r in rows] == [64, 128]  # 400 + sink + window exceeds the prompt: skipped
+    for r in rows:
+        assert r["pagers_per_step"] == 3 * 2 and r["prompt_tokens"] == r["n"] + 4 + 64
+        assert all(len(r[k]) == 2 * 3 for k in ("seconds", "insert_seconds", "step_seconds"))  # 2 rounds of 3 steps
+        assert all(0 < s_ < w and 0 < i_ < w for s_, i_, w in zip(r["seconds"], r["insert_seconds"], r["step_seconds"]))
+    for bad in ({"steps": 0}, {"steps": 1, "rounds": 0}):
+        with pytest.raises(Exception, match="steps"):
+            measure_decode_index(tiny_llama, ids, "sequential", (64,), budget=16, page_size=8, **bad)
+
+
+def test_decode_index_alone_needs_no_key_capture(tiny_llama):
+    logs: list[str] = []
+    prof = run_calibration(CalibrationSettings.quick(), model=tiny_llama, model_name="tiny-llama", components=("decode_index",),
+                           log=logs.append)
+    assert not any("capturing keys" in line for line in logs)
+    assert set(prof.samples) == {"decode_index"} and set(prof.samples["decode_index"]) == {"mdci", "sequential"}
+    assert {"select_decode/mdci", "insert_decode/sequential"} <= set(prof.predictors)
+
+
+def test_decode_index_timing_scales_select_and_replaces_insert():
+    """select_job_s = round-robin select(n, B, P) x select_decode(n) / select(n, B0, P0); insert from insert_decode."""
+    import dataclasses
+
+    from icecache.sim.costs import MeasuredCosts
+    from icecache.sim.shapes import get_shape
+    from icecache.sim.testing import synthetic_profile
+
+    base = synthetic_profile(pagers=("mdci",))
+    shape = get_shape("smollm2-135m-instruct")
+    plain = MeasuredCosts(base)
+    rows = [{"n": n, "budget": 64, "page_size": 8, "seconds": [f * plain.select_job_s(shape, "mdci", n, 64, 8)],
+             "insert_seconds": [3e-4]} for n, f in ((1024, 1.5), (8192, 2.0), (49152, 2.0))]
+    preds = fit_profile_predictors({"decode_index": {"mdci": rows}})
+    assert {"select_decode/mdci", "insert_decode/mdci"} == set(preds)
+    prof = dataclasses.replace(base, predictors={**base.predictors, **preds}, samples={"decode_index": {"mdci": rows}})
+    dec = MeasuredCosts(prof)
+    for n, f, tol in ((1024, 1.5, 1e-6), (8192, 2.0, 1e-6), (49152, 2.0, 1e-6), (20000, 2.0, 0.02)):  # between knots: log-log interpolation
+        for budget, page in ((64, 8), (256, 16)):
+            assert dec.select_job_s(shape, "mdci", n, budget, page) == pytest.approx(f * plain.select_job_s(shape, "mdci", n, budget, page), rel=tol)
+    assert dec.insert_job_s(shape, "mdci", 4096) == pytest.approx(3e-4) != plain.insert_job_s(shape, "mdci", 4096)
+
+
 def test_runtime_layer_measurement_times_the_runtime_and_fits_per_call_costs():
     layer = measure_runtime_layer((1, 2), group=2, head_dim=16, dtype=torch.float32, n=256, budget=32, page_size=8,
                                   new_tokens=(0, 4, 16), reps=2)
@@ -91,6 +138,8 @@ def test_quick_calibration_end_to_end(tiny_llama, tmp_path):
     assert all(len(r["ttft_s"]) == 1 and 0 < r["ttft_s"][0] < r["tt2t_s"][0] for r in pipe)
     assert all(r["index_build_s"][0] > 0 for r in pipe if r["method"] != "full") and pipe[0]["sparse_layers"] == 2
     assert "prefill_generate" in back.predictors
+    assert {"select_decode/mdci", "insert_decode/mdci", "select_decode/sequential"} <= set(back.predictors)
+    assert [r["n"] for r in back.samples["decode_index"]["mdci"]] == [64, 128]
     assert back.meta["shape"]["layers"] == 4 and back.samples["decode_step"]
     register_shape(shape_from_config(tiny_llama.config, "tiny-llama"))
     costs = make_costs(get_hardware("this-machine", prof), prof, "allow")
@@ -111,7 +160,7 @@ def test_merging_profiles_keeps_what_was_not_remeasured():
     m = merge_profiles(base, new, ["loader"])
     assert m.samples["decode_step"] == base.samples["decode_step"] and m.samples["copy"] == new.samples["copy"]
     assert m.predictors["copy"].params[0] + m.predictors["copy"].params[1] * 1e6 == pytest.approx(2e-4)
-    assert [r["components"] for r in m.meta["runs"]] == [["model", "pagers", "pipeline", "pool"], ["loader"]]
+    assert [r["components"] for r in m.meta["runs"]] == [["decode_index", "model", "pagers", "pipeline", "pool"], ["loader"]]
     with pytest.raises(ConfigError, match="components"):
         merge_profiles(base, new, ["gpu"])
     other = dataclasses.replace(new, machine={**new.machine, "cpu_model": "other"})

@@ -50,8 +50,9 @@ def main() -> int:
                     help="a profile whose pagers were timed on the tiny model's own keys (made here with --calibrate-tiny); "
                          "used instead of --profile, no shape scaling")
     ap.add_argument("--calibrate-tiny", action="store_true",
-                    help="time mdci/sequential select and insert on the tiny random model's keys (1k..24k per head) and "
-                         "write --tiny-profile (about 2 minutes)")
+                    help="time --tiny-pagers' select and insert on the tiny random model's keys (1k..24k per head), alone "
+                         "and inside the runtime's decode (every layer sparse), and write --tiny-profile (a few minutes)")
+    ap.add_argument("--tiny-pagers", default="mdci,sequential", help="pagers --calibrate-tiny times")
     ap.add_argument("--corrections", default=None,
                     help="validation.json of `python -m icecache.sim validate`: its select-stage factor (runtime / "
                          "microbenchmark, fitted on held-in runs) scales the simulator's select time of SmolLM2 runs")
@@ -69,9 +70,12 @@ def main() -> int:
             raise SystemExit("--calibrate-tiny needs --tiny-profile PATH to write")
         from icecache.sim.calibrate import CalibrationSettings, run_calibration
 
-        settings = CalibrationSettings(qk_tokens=24600, pager_sizes=(1024, 2048, 4096, 8192, 16384, 24000), page_sizes=(PAGE,),
-                                       budgets=(BUDGET,), pagers=("mdci", "sequential"), pager_time_limit_s=120.0)
-        run_calibration(settings, model=tiny, model_name="tiny-random-llama", components=("pagers",), out=args.tiny_profile)
+        sizes = (1024, 2048, 4096, 8192, 16384, 24000)
+        settings = CalibrationSettings(qk_tokens=24600, pager_sizes=sizes, page_sizes=(PAGE,), budgets=(BUDGET,),
+                                       pagers=tuple(args.tiny_pagers.split(",")), pager_time_limit_s=120.0, decode_sizes=sizes, decode_steps=60, decode_rounds=3,
+                                       decode_dense_layers=())  # as the drift soaks: every layer sparse
+        run_calibration(settings, model=tiny, model_name="tiny-random-llama", components=("pagers", "decode_index"),
+                        out=args.tiny_profile)
     profile_path = args.tiny_profile or args.profile
     from icecache.sim.shapes import get_shape
 

@@ -42,7 +42,9 @@ most ``P`` tokens; with ``page_split="projection"`` (MD) they are contiguous in 
 on the first direction, ties by id): bulk load splits a cluster of ``c`` members into ``ceil(c / P)`` pages
 of near-equal size, inserting into a full page first splits it at ``used // 2`` in that order; with
 ``"2means"`` the same page counts and sizes come from balanced 2-means bisection and a new point joins the
-nearest page centroid. Adopted points move into fresh pages of their new cluster; a rekey re-pages every
+nearest page centroid. Adopted points move into fresh pages of their new cluster; with ``"projection"``, a
+page they left, and both halves of a split, merge with a run-0 neighbour page when the two fit in one and one
+is under half full (so no two neighbouring pages could be one page while one is under half); a rekey re-pages every
 cluster (pages whose members do not change are kept). Every token is in exactly one page. All page layout
 changes go through `PageTable` methods, so its move journal is complete. `rank_pages` ranks pages by their
 best scored token (or estimated attention mass, ``page_score="mass"``); pages without a scored token follow
@@ -795,13 +797,19 @@ class DCIIndex:
             return
         nb = int(self._run_id[0, start + pos - 1]) if pos > 0 else int(self._run_id[0, start + 1])
         p = int(tb.page_of_[nb])
-        if tb.sizes_[p] >= tb.page_size:
-            p = self._split_page(p, nb)
-        tb.append(p, x)
+        if tb.sizes_[p] < tb.page_size:
+            tb.append(p, x)
+            return
+        new = self._split_page(p, -1)
+        holder = new if tb.page_of_[nb] == new else p
+        tb.append(holder, x)
+        # a half may now fit together with a small run-0 neighbour (one left behind by an adoption)
+        self._merge_small_page(p)
+        self._merge_small_page(new)
 
     def _split_page(self, p: int, keep_with: int) -> int:
         """Split page ``p`` at used // 2 in run-0 order (upper half to a new page); returns the page that
-        now holds ``keep_with``."""
+        now holds ``keep_with`` (the new page when ``keep_with`` is -1)."""
         tb = self.table
         assert tb is not None
         ids = tb.members[p, : tb.sizes_[p]].copy()
@@ -812,7 +820,7 @@ class DCIIndex:
             order = np.lexsort((ids, self._proj[ids, 0]))
             upper = ids[order[len(ids) // 2 :]]
         q = tb.split(p, move_slots=tb.slot_of_[upper])
-        return q if keep_with in set(upper.tolist()) else p
+        return q if keep_with == -1 or keep_with in set(upper.tolist()) else p
 
     def _relocate(self, cid: int, cap: int) -> None:
         old, size = int(self._cl_start[cid]), int(self._cl_size[cid])
@@ -834,6 +842,7 @@ class DCIIndex:
             return
         d_new = self.point_distance(stolen, np.full(len(stolen), x))
         moved = 0
+        shrunk = np.unique(self.table.page_of_[stolen]) if self.table is not None else None  # pages that lose points
         for y in stolen:
             y = int(y)
             op = int(self._parent[y])
@@ -858,6 +867,33 @@ class DCIIndex:
                 q = tb.new_page()
                 for pos in g:
                     tb.move(int(pos), q)
+            if self.params.page_split == "projection":
+                for p in shrunk:
+                    self._merge_small_page(int(p))
+
+    def _merge_small_page(self, p: int) -> None:
+        """After points left page ``p`` (an adoption) or ``p`` was split: while ``p`` and a run-0 neighbour page
+        of its cluster fit in one page and one of them holds fewer than ``P // 2`` points, move the smaller into
+        the larger (contiguity in run-0 order is kept). Without this, adoptions leave ever more small pages
+        behind: keys of width 16, page 8, grown one at a time from 1k to 20k gave page fill 0.56 (0.71 with
+        merging) against 0.89 when built at once, so 1.6x the pages to rank, load and hold."""
+        tb = self.table
+        assert tb is not None
+        P = tb.page_size
+        while 0 <= p < len(tb.sizes_) and tb.sizes_[p] > 0:
+            cid = int(self._parent[int(tb.members[p, 0])]) + 1
+            seg = self._cluster_run0(cid)
+            at = np.flatnonzero(tb.page_of_[seg] == p)
+            nbrs = [int(tb.page_of_[seg[i]]) for i in (at[0] - 1, at[-1] + 1) if 0 <= i < len(seg)]
+            sp = int(tb.sizes_[p])
+            fit = [q for q in nbrs if sp + int(tb.sizes_[q]) <= P and min(sp, int(tb.sizes_[q])) < P // 2]
+            if not fit:
+                return
+            q = min(fit, key=lambda r: int(tb.sizes_[r]))
+            src, dst = (p, q) if sp <= int(tb.sizes_[q]) else (q, p)
+            for pos in tb.members[src, : tb.sizes_[src]].copy()[::-1]:
+                tb.move(int(pos), dst)  # the emptied page is freed
+            p = dst
 
     def _fill_cluster(self, cid: int, members: np.ndarray) -> None:
         """Write ``members`` as the (empty, large enough) cluster ``cid``'s sorted runs."""
@@ -1064,6 +1100,10 @@ class DCIIndex:
                 change = np.flatnonzero(pg[1:] != pg[:-1])
                 seq = np.concatenate([pg[:1], pg[change + 1]])
                 assert len(np.unique(seq)) == len(seq), f"a page of cluster {int(cid) - 1} is not contiguous in run-0 order"
+                # no two neighbouring pages that fit in one while one is under half full (`_merge_small_page`)
+                sz = tb.sizes_[seq]
+                small = (np.minimum(sz[1:], sz[:-1]) < tb.page_size // 2) & (sz[1:] + sz[:-1] <= tb.page_size)
+                assert not small.any(), f"cluster {int(cid) - 1} has two neighbouring pages that fit in one, one under half full"
             else:
                 seq = np.unique(pg)
             assert int(tb.sizes_[seq].sum()) == len(ids), f"a page of cluster {int(cid) - 1} holds foreign points"

@@ -160,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=str(DEFAULT_PROFILE))
     p.add_argument("--quick", action="store_true", help="a few seconds of tiny measurements (smoke test only)")
     p.add_argument("--pagers", help="comma list of pagers to time, or 'all' (default: mdci,sequential, the variants' pagers)")
-    p.add_argument("--components", help="comma list of model,pagers,pool,loader,pipeline (default: all)")
+    p.add_argument("--components", help="comma list of model,pagers,pool,loader,pipeline,decode_index (default: all)")
     p.add_argument("--update", action="store_true", help="re-measure only --components and keep the rest of --out")
     p.set_defaults(fn=cmd_calibrate)
 

@@ -13,6 +13,10 @@ What is timed (median of ``reps`` runs after one warm-up; every raw sample is ke
 - **thread pool**: the KV heads' selects on 1..T threads, giving the pool's parallel efficiency; and the
   *background share*: how much a background thread doing index work (mdci inserts during decode steps, index
   builds during a prefill) slows the caller's thread down per second of that work (2 cores, the GIL);
+- **pagers inside the runtime's decode** (component ``decode_index``): every pager's select and insert timed
+  in real decode steps of the runtime over prompts of n indexed tokens per head (the model's work and the
+  other heads' indexes run between two selects of one index: colder caches than the round-robin
+  `measure_pager` timings); `icecache.sim.costs.MeasuredCosts` scales its select and insert costs by it;
 - **runtime layer** (component ``loader``): the runtime's own sparse-layer code (`icecache.runtime`:
   `IceCache` layer, `BulkLoader`, `HeadStore`, `StageTimer`) on random K/V without a model, for 1 and the
   model's number of KV heads: the bulk loader at controlled numbers of new tokens per head (its gather,
@@ -70,6 +74,12 @@ class CalibrationSettings:
     #: real prefills, full vs the runtime's pipeline with each pager (component "pipeline"): prompt tokens, rounds
     pipeline_tokens: tuple[int, ...] = (1024, 2048, 4096, 8192)
     pipeline_rounds: int = 3
+    #: pagers inside the runtime's decode (component "decode_index"): indexed tokens per head, timed steps, and
+    #: the dense layers (None: `IceCacheConfig`'s default)
+    decode_sizes: tuple[int, ...] = (1024, 4096, 8192, 16384, 24000)
+    decode_steps: int = 24
+    decode_rounds: int = 2
+    decode_dense_layers: tuple[int, ...] | None = None
     #: background share (component "pool"): decode context and prefill length of the foreground
     background_context: int = 1024
     background_prefill_tokens: int = 256
@@ -87,7 +97,7 @@ class CalibrationSettings:
             contexts=(32, 64, 128), attention_tokens=(32, 128, 256), prefill_tokens=(16, 32, 64), qk_tokens=64,
             pager_sizes=(128, 256), page_sizes=(8, 16), budgets=(16, 32), insert_reps=3, pool_threads=(1, 2),
             pool_size=128, runtime_layer_n=256, runtime_new_tokens=(0, 4, 16), sparse_slots=(16, 64), store_sync_tokens=(64, 256), background_context=32, generate_prompt_tokens=16,
-            pipeline_tokens=(96, 160), pipeline_rounds=1,
+            pipeline_tokens=(96, 160), pipeline_rounds=1, decode_sizes=(64, 128), decode_steps=2, decode_rounds=1,
             generate_new_tokens=6,
             background_prefill_tokens=16, reps=2, pager_time_limit_s=10.0,
         )
@@ -481,6 +491,98 @@ def measure_pager(
     return out
 
 
+def _default_sink_window() -> int:
+    from icecache.core.config import IceCacheConfig
+
+    d = IceCacheConfig()
+    return d.sink + d.window
+
+
+def measure_decode_index(
+    model: Any, input_ids: Any, pager: str, sizes: Sequence[int], steps: int, budget: int, page_size: int,
+    dense_layers: Sequence[int] | None = None, rounds: int = 1, seed: int = 0, log: Callable[[str], None] = print,
+) -> list[dict[str, Any]]:
+    """The pager's select and insert *inside the runtime's decode* (component ``decode_index``).
+
+    For each n in ``sizes`` (``rounds`` passes over the sizes, so that a slow spell of a shared machine does not
+    land on one size): a real generation through `IceCache` (index ``pager``, inserts on the decode thread)
+    over a prompt of ``n + sink + window`` tokens of ``input_ids`` (n indexed tokens per KV head), then
+    ``steps`` timed greedy decode steps after 2 warm-up steps; every pager's ``select_arrays`` and ``insert``
+    is wrapped with a timer. `measure_pager` times one index at a time, round robin over a few sizes: warmer
+    caches and a quieter process than a decode step, where the model's work and every other head's index run
+    between two selects of one index (on the tiny model at 20k keys per head, 0.14 vs 0.27 ms per select of
+    ``exact``). Indexes here are built at n by the prefill, as in a fresh generation.
+
+    Returns one row per n: ``seconds`` (per step, the mean select of one KV head's pager),
+    ``insert_seconds`` (the mean one-token pager insert), the layout and ``step_seconds`` (the whole step).
+    """
+    import torch
+
+    from icecache.core.config import IceCacheConfig
+    from icecache.runtime.cache import IceCache
+    from icecache.runtime.generate import icecache_attention
+
+    if steps < 1 or rounds < 1:
+        raise ConfigError(f"decode index timing needs steps >= 1 and rounds >= 1, got {steps} and {rounds}")
+    kw = {} if dense_layers is None else {"dense_layers": tuple(dense_layers)}
+    cfg = IceCacheConfig(index=pager, budget=budget, page_size=page_size, seed=seed, **kw)
+    rows: dict[int, dict[str, Any]] = {}
+    for n in [n for _ in range(rounds) for n in sorted(sizes)]:
+        tokens = n + cfg.sink + cfg.window
+        if tokens > input_ids.shape[1]:
+            if n not in rows:
+                log(f"  {pager}: decode index at n={n} needs {tokens} prompt tokens, {input_ids.shape[1]} given; skipped")
+            rows[n] = {}
+            continue
+        acc = {"select": 0.0, "insert": 0.0, "selects": 0, "inserts": 0}
+
+        def timed(fn: Callable[..., Any], what: str) -> Callable[..., Any]:
+            def run(*a: Any, **k: Any) -> Any:
+                t0 = time.perf_counter()
+                try:
+                    return fn(*a, **k)
+                finally:
+                    acc[what] += time.perf_counter() - t0
+                    acc[what + "s"] += 1
+            return run
+
+        sel_s: list[float] = []
+        ins_s: list[float] = []
+        step_s: list[float] = []
+        with torch.inference_mode(), icecache_attention(model), IceCache(model.config, cfg) as cache:
+            cache.prefetch_inserts = False  # the insert on the decode thread, timed in the step
+            logits = model(input_ids[:, :tokens], past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+            cache.pipeline.wait_all()
+            jobs = 0
+            for layer in cache.layers:
+                for row in getattr(layer, "pagers", None) or []:
+                    for pg in row:
+                        pg.select_arrays = timed(pg.select_arrays, "select")
+                        pg.insert = timed(pg.insert, "insert")
+                        jobs += 1
+            tok = logits[0, -1].argmax().view(1, 1)
+            for step in range(steps + 2):
+                a0 = dict(acc)
+                t0 = time.perf_counter()
+                tok = model(tok, past_key_values=cache, use_cache=True).logits[0, -1].argmax().view(1, 1)
+                wall = time.perf_counter() - t0
+                if acc["selects"] - a0["selects"] != jobs or acc["inserts"] - a0["inserts"] not in (0, jobs):
+                    raise RuntimeError(f"decode index timing: {acc['selects'] - a0['selects']} selects and "
+                                       f"{acc['inserts'] - a0['inserts']} inserts in a step of {jobs} pagers (internal bug)")
+                if step >= 2:
+                    sel_s.append((acc["select"] - a0["select"]) / jobs)
+                    ins_s.append((acc["insert"] - a0["insert"]) / jobs)
+                    step_s.append(wall)
+        row = rows.setdefault(n, {"n": n, "budget": budget, "page_size": page_size, "pagers_per_step": jobs, "prompt_tokens": tokens,
+                                  "seconds": [], "insert_seconds": [], "step_seconds": []})
+        row["seconds"] += sel_s
+        row["insert_seconds"] += ins_s
+        row["step_seconds"] += step_s
+        log(f"  {pager}: in the runtime at n={n}: select {statistics.median(sel_s) * 1e3:.3f} ms, insert "
+            f"{statistics.median(ins_s) * 1e3:.3f} ms per pager ({jobs} per step), step {statistics.median(step_s) * 1e3:.1f} ms")
+    return [r for n, r in sorted(rows.items()) if r]
+
+
 def measure_pool(
     name: str, pool: KeyPool, jobs: int, n: int, page_size: int, budget: int, threads: Sequence[int], reps: int, seed: int = 0
 ) -> list[dict[str, Any]]:
@@ -813,6 +915,9 @@ def fit_profile_predictors(samples: dict[str, Any], statistic: str = "p25") -> d
         fit(f"select/{name}", "pwpower", rows["select"], ["n", "budget", "page_size"])
         fit(f"build/{name}", "pwpower", rows["build"], ["n", "page_size"])
         fit(f"insert/{name}", "pwpower", rows["insert"], ["n"])
+    for name, rows in samples.get("decode_index", {}).items():  # see `MeasuredCosts.select_job_s`
+        fit(f"select_decode/{name}", "pwpower", rows, ["n"])
+        fit(f"insert_decode/{name}", "pwpower", [dict(r, seconds=r["insert_seconds"]) for r in rows], ["n"])
     return preds
 
 
@@ -912,6 +1017,7 @@ COMPONENTS: dict[str, tuple[str, ...]] = {
     "pool": ("pool", "background"),
     "loader": ("gather", "copy", "scatter", "runtime_layer", "sparse_attention", "store_sync"),
     "pipeline": ("prefill_pipeline",),
+    "decode_index": ("decode_index",),
 }
 
 
@@ -947,7 +1053,7 @@ def merge_profiles(base: CalibrationProfile, new: CalibrationProfile, components
             old = samples.pop(key, None)
             if key in new.samples:
                 samples[key] = new.samples[key]
-            if key == "pagers" and old:  # ... except pagers not timed this time (the version check flags them)
+            if key in ("pagers", "decode_index") and old:  # ... except pagers not timed this time (the version check flags them)
                 samples[key] = {**old, **new.samples.get(key, {})}
     stat = new.meta.get("statistic", "p25")
     meta = dict(base.meta)
@@ -963,7 +1069,7 @@ def merge_profiles(base: CalibrationProfile, new: CalibrationProfile, components
             if key in new.meta:
                 meta[key] = new.meta[key]
     hashes = dict(base.pager_hashes)
-    if "pagers" in components:
+    if "pagers" in components or "decode_index" in components:
         meta["pagers"] = sorted(set(base.meta.get("pagers", [])) | set(new.meta.get("pagers", [])))
         hashes.update(new.pager_hashes)
     return CalibrationProfile(
@@ -1008,7 +1114,8 @@ def run_calibration(
     log(f"calibrating {', '.join(components)} on {info['cpu_model']} ({info['cpu_count']} CPUs, torch threads "
         f"{info['torch_threads']}, load average {info['loadavg_start']})")
     samples: dict[str, Any] = {}
-    n_ids = max(s.qk_tokens, max(s.prefill_tokens), max(s.pipeline_tokens) if "pipeline" in components else 0)
+    n_ids = max(s.qk_tokens, max(s.prefill_tokens), max(s.pipeline_tokens) if "pipeline" in components else 0,
+                max(s.decode_sizes) + _default_sink_window() if "decode_index" in components else 0)
     if tokenizer is not None:
         ids = prompt_ids(tokenizer, n_ids)
     else:
@@ -1026,14 +1133,15 @@ def run_calibration(
     names: list[str] = []
     pool_name = None
     g, d = shape.group_size, shape.head_dim
-    if "pagers" in components or "pool" in components:
-        log(f"capturing keys and queries ({s.qk_tokens} tokens) ...")
-        cap: dict[str, float] = {}
-        q, k = capture_qk(model, ids[:, : s.qk_tokens], cap)
-        if "model" in components and s.qk_tokens > max(s.prefill_tokens):  # that capture is a prefill too
-            samples["prefill"].append({"tokens": s.qk_tokens, "seconds": [cap["forward_s"]], "note": "the key/query capture run"})
-        pool = KeyPool(q, k)
-        g, d = pool.g, pool.d
+    if "pagers" in components or "pool" in components or "decode_index" in components:
+        if "pagers" in components or "pool" in components:  # decode_index runs the model itself
+            log(f"capturing keys and queries ({s.qk_tokens} tokens) ...")
+            cap: dict[str, float] = {}
+            q, k = capture_qk(model, ids[:, : s.qk_tokens], cap)
+            if "model" in components and s.qk_tokens > max(s.prefill_tokens):  # that capture is a prefill too
+                samples["prefill"].append({"tokens": s.qk_tokens, "seconds": [cap["forward_s"]], "note": "the key/query capture run"})
+            pool = KeyPool(q, k)
+            g, d = pool.g, pool.d
         names = list(s.pagers) if s.pagers is not None else available_pagers()
         missing = [n for n in names if n not in available_pagers()]
         if missing:
@@ -1048,6 +1156,14 @@ def run_calibration(
                 samples["pagers"][name] = measure_pager(
                     name, pool, s.pager_sizes, s.page_sizes, s.budgets, s.reps, s.insert_reps, s.pager_time_limit_s, s.seed, log
                 )
+        if "decode_index" in components:
+            page = 16 if 16 in s.page_sizes else s.page_sizes[0]
+            samples["decode_index"] = {}
+            for name in names:
+                log(f"pager {name} inside the runtime's decode (budget {max(s.budgets)}, page {page}) ...")
+                samples["decode_index"][name] = measure_decode_index(
+                    model, ids, name, s.decode_sizes, s.decode_steps, max(s.budgets), page, s.decode_dense_layers, s.decode_rounds,
+                    s.seed, log)
         pool_name = "mdci" if "mdci" in names else (names[0] if names else None)
         if "pool" in components and pool_name:
             log(f"thread pool ({pool_name}, {shape.kv_heads} heads) ...")

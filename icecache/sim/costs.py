@@ -475,7 +475,8 @@ class MeasuredCosts:
 
     Predictor names used: ``decode_step`` (context), ``attention`` (kv_tokens), ``lm_head`` (constant),
     ``prefill`` (tokens), ``select/<pager>`` (n, budget, page_size), ``build/<pager>`` (n, page_size),
-    ``insert/<pager>`` (n), ``gather`` (bytes, rows per call), ``copy`` (bytes), ``scatter`` (bytes, rows per
+    ``insert/<pager>`` (n), when measured ``select_decode/<pager>`` and ``insert_decode/<pager>`` (n: the pager
+    timed inside the runtime's decode, see `select_job_s`), ``gather`` (bytes, rows per call), ``copy`` (bytes), ``scatter`` (bytes, rows per
     call), and when measured ``loader_other`` (heads, tokens: the bulk loader's bookkeeping per layer) and
     ``append`` and ``overhead`` (heads: the window ring write and the untimed runtime work per layer);
     ``meta["background_share"]`` is the measured fraction of background pool work that slows the caller's
@@ -599,9 +600,19 @@ class MeasuredCosts:
         )
 
     def select_job_s(self, shape: Any, pager: str, n: int, budget: int, page_size: int, notes: list[str] | None = None) -> float:
-        """One KV head's index query (its GQA group's queries) over ``n`` indexed tokens."""
+        """One KV head's index query (its GQA group's queries) over ``n`` indexed tokens.
+
+        When the profile timed the pager inside the runtime's decode (calibration component ``decode_index``:
+        real generations over prompts of n indexed tokens per head), the round-robin select cost is scaled by
+        ``select_decode(n) / select(n)`` at the budget and page size of that timing: a select between the
+        model's work and the other heads' selects runs slower than one index timed alone."""
         name = self._pager_name(pager, "select", notes)
-        return self._p(name, [max(n, 1), max(budget, 1), page_size], notes) * self._shape_ratio(shape, "query", notes)
+        t = self._p(name, [max(n, 1), max(budget, 1), page_size], notes)
+        dec = f"select_decode/{pager}"
+        if dec in self.profile.predictors:
+            ref = self.profile.samples["decode_index"][pager][0]
+            t *= self._p(dec, [max(n, 1)], notes) / self._p(name, [max(n, 1), ref["budget"], ref["page_size"]], notes)
+        return t * self._shape_ratio(shape, "query", notes)
 
     def build_job_s(self, shape: Any, pager: str, n: int, page_size: int, notes: list[str] | None = None) -> float:
         """One KV head's prefill job over ``n`` tokens: the index build, plus writing the K/V into the host store's
@@ -624,8 +635,9 @@ class MeasuredCosts:
         return self._p(name, [max(n, 1)], notes) * self._shape_ratio(shape, "build", notes)
 
     def insert_job_s(self, shape: Any, pager: str, n: int, notes: list[str] | None = None) -> float:
-        """Insertion of one token (leaving the window) into one KV head's index of ``n`` tokens."""
-        name = f"insert/{pager}"
+        """Insertion of one token (leaving the window) into one KV head's index of ``n`` tokens (timed inside
+        the runtime's decode when the profile has ``insert_decode/<pager>``, see `select_job_s`)."""
+        name = f"insert_decode/{pager}" if f"insert_decode/{pager}" in self.profile.predictors else f"insert/{pager}"
         if name not in self.profile.predictors:
             _note(notes, f"no insert cost measured for {pager}; counted as 0")
             return 0.0
