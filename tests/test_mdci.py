@@ -190,6 +190,32 @@ def test_exhaustive_selection_matches_oracle(seed, n, g, budget, inserted):
     np.testing.assert_allclose(sel.scores.numpy(), np.array(got, np.float32), rtol=1e-5, atol=1e-5)
 
 
+@settings(max_examples=200, deadline=None)
+@given(scores=st.lists(st.integers(-3, 3), min_size=2, max_size=60), k=st.integers(1, 59), seed=st.integers(0, 2**16))
+def test_top_pages_heap_equals_full_sort(scores, k, seed):
+    """The ranking kernel keeps only the `budget` best scored pages in a heap: the same set as the first k of a
+    full sort by (score descending, id ascending), ties (here frequent) included."""
+    from icecache.indexes._dci_kernels import _top_pages
+
+    k = min(k, len(scores) - 1)
+    rng = np.random.default_rng(seed)
+    ids = rng.permutation(200)[: len(scores)].astype(np.int64)  # scored pages in discovery order
+    page_best = np.zeros(200, np.float64)
+    page_best[ids] = scores
+    want = sorted(ids.tolist(), key=lambda p: (-page_best[p], p))[:k]
+    got = _top_pages(ids, len(ids), page_best, k)
+    assert sorted(got.tolist()) == sorted(want)
+
+
+def test_selection_ties_follow_page_id():
+    """Duplicate keys give equal page scores: the selection takes the lower page ids first, like a full sort."""
+    p = exhaustive(8, P=4)
+    k = torch.ones(64, 8)  # every token identical: every page scores the same
+    p.build(k)
+    sel = p.select(torch.ones(1, 8), 12)
+    assert sel.pages.tolist() == sorted(p.table.as_dict())[:3]
+
+
 @FAST
 @given(seed=st.integers(0, 2**16), n=st.integers(1, 1500), g=st.integers(1, 4), budget=st.integers(0, 300))
 def test_exhaustive_mass_ranking_matches_oracle(seed, n, g, budget):
