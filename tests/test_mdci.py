@@ -191,20 +191,21 @@ def test_exhaustive_selection_matches_oracle(seed, n, g, budget, inserted):
 
 
 @settings(max_examples=200, deadline=None)
-@given(scores=st.lists(st.integers(-3, 3), min_size=2, max_size=60), k=st.integers(1, 59), seed=st.integers(0, 2**16))
-def test_top_pages_heap_equals_full_sort(scores, k, seed):
-    """The ranking kernel keeps only the `budget` best scored pages in a heap: the same set as the first k of a
-    full sort by (score descending, id ascending), ties (here frequent) included."""
-    from icecache.indexes._dci_kernels import _top_pages
+@given(scores=st.lists(st.integers(-3, 3), min_size=1, max_size=60), seed=st.integers(0, 2**16))
+def test_page_heap_pops_in_full_sort_order(scores, seed):
+    """The ranking kernel heapifies the scored pages and pops the best until one does not fit: the pops come
+    in the order of a full sort by (score descending, id ascending), ties (here frequent) included."""
+    from icecache.indexes._dci_kernels import _heapify, _pop_best
 
-    k = min(k, len(scores) - 1)
     rng = np.random.default_rng(seed)
     ids = rng.permutation(200)[: len(scores)].astype(np.int64)  # scored pages in discovery order
     page_best = np.zeros(200, np.float64)
     page_best[ids] = scores
-    want = sorted(ids.tolist(), key=lambda p: (-page_best[p], p))[:k]
-    got = _top_pages(ids, len(ids), page_best, k)
-    assert sorted(got.tolist()) == sorted(want)
+    want = sorted(ids.tolist(), key=lambda p: (-page_best[p], p))
+    heap = ids.copy()
+    _heapify(heap, len(heap), page_best)
+    got = [int(_pop_best(heap, k, page_best)) for k in range(len(heap), 0, -1)]
+    assert got == want
 
 
 def test_selection_ties_follow_page_id():

@@ -407,35 +407,36 @@ def _page_before(p, q, page_best) -> bool:
 
 
 @njit(nogil=True, cache=True)
-def _top_pages(page_list, npg, page_best, k):
-    """The ``k`` (< npg) best of ``page_list[:npg]`` by `_page_before`, unordered: a heap whose root is the
-    worst page kept, so ``O(npg log k)``."""
-    heap = page_list[:k].copy()
-    for start in range(k // 2 - 1, -1, -1):
-        _sift_down(heap, start, k, page_best)
-    for i in range(k, npg):
-        p = page_list[i]
-        if _page_before(p, heap[0], page_best):
-            heap[0] = p
-            _sift_down(heap, 0, k, page_best)
-    return heap
-
-
-@njit(nogil=True, cache=True)
 def _sift_down(heap, i, k, page_best) -> None:
-    """Restore the heap below ``i``: every parent ranks after (is worse than) its children."""
+    """Restore the heap ``heap[:k]`` below ``i``: every parent ranks before its children (`_page_before`)."""
     while True:
         w = i
         a = 2 * i + 1
         b = a + 1
-        if a < k and _page_before(heap[w], heap[a], page_best):
+        if a < k and _page_before(heap[a], heap[w], page_best):
             w = a
-        if b < k and _page_before(heap[w], heap[b], page_best):
+        if b < k and _page_before(heap[b], heap[w], page_best):
             w = b
         if w == i:
             return
         heap[i], heap[w] = heap[w], heap[i]
         i = w
+
+
+@njit(nogil=True, cache=True)
+def _heapify(heap, k, page_best) -> None:
+    """Make ``heap[:k]`` a heap whose root is the best page (`_page_before`), in ``O(k)``."""
+    for start in range(k // 2 - 1, -1, -1):
+        _sift_down(heap, start, k, page_best)
+
+
+@njit(nogil=True, cache=True)
+def _pop_best(heap, k, page_best) -> int:
+    """Remove and return the best page of the heap ``heap[:k]`` (``k`` >= 1); ``heap[:k-1]`` stays a heap."""
+    p = heap[0]
+    heap[0] = heap[k - 1]
+    _sift_down(heap, 0, k - 1, page_best)
+    return p
 
 
 @njit(nogil=True, cache=True)
@@ -486,31 +487,23 @@ def rank_pages(
             page_best[p] += sc
         elif sc > page_best[p]:
             page_best[p] = sc
-    # Every page of the answer has >= 1 token, so at most `budget` pages are taken: only the `budget` best of
-    # the scored pages need ordering (a heap), not all of them (at 20k keys ~700-900 pages are scored).
-    nkeep = budget if budget < npg else npg
-    if nkeep < npg:
-        cand = _top_pages(page_list, npg, page_best, nkeep)
-    else:
-        cand = page_list[:npg]
-    ids = np.sort(cand)
-    neg = np.empty(nkeep, np.float64)
-    for i in range(nkeep):
-        neg[i] = -page_best[ids[i]]
-    order = np.argsort(neg, kind="mergesort")
+    # Pages are taken best first until one does not fit, a handful of the ~100s scored: a heap of the scored
+    # pages, popped one at a time (O(npg + taken log npg)), instead of sorting them all.
+    _heapify(page_list, npg, page_best)
     total = 0
     k = 0
-    for i in range(nkeep):
-        p = ids[order[i]]
+    left = npg
+    while left > 0:
+        p = page_list[0]
         sz = page_sizes[p]
         if total + sz > budget:
             return k
+        _pop_best(page_list, left, page_best)
+        left -= 1
         total += sz
         out_pages[k] = p
         out_scores[k] = page_best[p]
         k += 1
-    if nkeep < npg:  # `budget` pages of >= 1 token fill the budget exactly: nothing else can follow
-        return k
     # Every scored page fits: the pages the descent did not reach follow, by id, with score -inf (this only
     # happens when the budget exceeds what the descent scored, e.g. a budget >= the indexed tokens).
     for p in range(page_sizes.shape[0]):

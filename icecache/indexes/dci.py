@@ -52,9 +52,10 @@ when the budget is larger than what the descent scored.
 
 Deviations from MD, deliberate and tested: the level schedule continues across `build` and every `insert`
 (MD restarts it per inserted batch); a batch is inserted one point at a time (MD builds and merges a batch
-tree); the coverage rule counts descendant points (MD counts pages); pages that shrink after adoption are
-not merged with a neighbour (MD borrows/merges below ``P / 2``); MIPS queries are projected at norm
-``sqrt(msq)``; a GQA group is one descent (MD runs one query per head and unions the pages).
+tree); the coverage rule counts descendant points (MD counts pages); a small page merges with a run-0
+neighbour only when the two fit in one page (MD also borrows from a neighbour below ``P / 2``); MIPS queries
+are projected at norm ``sqrt(msq)``; a GQA group is one descent (MD runs one query per head and unions the
+pages).
 
 Thread safety: one index is used by one thread at a time; different indexes may run in parallel threads
 (kernels release the GIL; per-thread scratch). Results never depend on the thread count.
