@@ -39,6 +39,9 @@ def main() -> int:
                     help="comma list of the tiny model's layers that keep full KV ('' for none: every layer sparse)")
     ap.add_argument("--sync-inserts", action="store_true",
                     help="insert tokens leaving the window on the decode thread (no background worker during the step)")
+    ap.add_argument("--reference-every", type=int, default=0,
+                    help="tiny runs: decode a reference cache in lockstep, re-prefilled every this many steps (the warm-up "
+                         "window: new tokens / 10), to compare the end-of-run TPOT with a warm one measured at the same moments")
     ap.add_argument("--out", default="experiments/reliability")
     args = ap.parse_args()
     out = Path(args.out)
@@ -53,7 +56,8 @@ def main() -> int:
         dense = tuple(int(x) for x in args.tiny_dense_layers.split(",") if x.strip())
         cfg = IceCacheConfig(index=name, budget=64, page_size=8, sink=4, window=32, dense_layers=dense)
         r = soak(tiny, cfg, prompt_tokens=1024, new_tokens=args.tiny_tokens, checkpoint_every=args.checkpoint_every,
-                 verify_host=True, progress=True, background_inserts=not args.sync_inserts)
+                 verify_host=True, progress=True, background_inserts=not args.sync_inserts,
+                 reference_every=args.reference_every)
         r["model"] = "tiny-random-llama"
         results.append(r)
         print(json.dumps(r), flush=True)

@@ -279,6 +279,23 @@ def test_soak_short_tiny_model():
     assert report["background_inserts"] is False and (report["budget"], report["page_size"]) == (24, 4)
 
 
+def test_soak_reference_cache_decodes_in_lockstep():
+    """``reference_every``: a warm-size reference cache decodes beside the soak (re-prefilled every R steps, its
+    own warm-up steps left out of its medians); the soak's invariants still hold and every cache is closed."""
+    from icecache.eval.soak import soak
+
+    model = make_tiny_llama(seed=0)
+    cfg = IceCacheConfig(index="mdci", budget=24, page_size=4, sink=4, window=16, dense_layers=())
+    r = soak(model, cfg, prompt_tokens=150, new_tokens=200, checkpoint_every=100, reference_every=20)
+    assert r["device_bytes_constant"] and r["host_growth_exact"] and r["threads_end"] <= r["threads_start"]
+    assert r["reference_every"] == 20 and r["ref_end_ms"] > 0 and r["ref_end_without_index_ms"] > 0
+    # its index stays at warm-up size: prompt - sink - window + (2 .. 20) steps since its prefill
+    assert 150 - 20 + 2 <= r["ref_warm_n"] <= r["ref_end_n"] <= 150 - 20 + 20
+    assert r["tpot_drift_vs_reference"] == pytest.approx(r["tpot_end_ms"] / r["ref_end_ms"] - 1.0)
+    with pytest.raises(ConfigError, match="reference_every"):
+        soak(model, cfg, prompt_tokens=150, new_tokens=10, reference_every=-1)
+
+
 # ------------------------------------------------------------------------------------------ soak (full, slow)
 @pytest.mark.slow
 @pytest.mark.parametrize("name", PAGERS)

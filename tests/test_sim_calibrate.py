@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from icecache.core.errors import ConfigError
 from icecache.sim.calibrate import (
     CalibrationSettings,
     KeyPool,
@@ -100,6 +101,12 @@ def test_decode_index_timing_scales_select_and_replaces_insert():
         for budget, page in ((64, 8), (256, 16)):
             assert dec.select_job_s(shape, "mdci", n, budget, page) == pytest.approx(f * plain.select_job_s(shape, "mdci", n, budget, page), rel=tol)
     assert dec.insert_job_s(shape, "mdci", 4096) == pytest.approx(3e-4) != plain.insert_job_s(shape, "mdci", 4096)
+    with pytest.raises(ConfigError, match="step_decode/mdci"):  # the whole step was not timed in these rows
+        dec.decode_step_in_runtime_s("mdci", 4096)
+    steps = [dict(r, step_seconds=[s]) for r, s in zip(rows, (4e-3, 5e-3, 8e-3))]
+    with_steps = MeasuredCosts(dataclasses.replace(base, predictors={**base.predictors, **fit_profile_predictors({"decode_index": {"mdci": steps}})}))
+    assert with_steps.decode_step_in_runtime_s("mdci", 8192) == pytest.approx(5e-3, rel=1e-6)
+    assert 5e-3 < with_steps.decode_step_in_runtime_s("mdci", 20000) < 8e-3
 
 
 def test_runtime_layer_measurement_times_the_runtime_and_fits_per_call_costs():

@@ -7,6 +7,12 @@ exactly one of sink / window / one host page) and, optionally, host KV equal to 
 Reported: RSS slope next to what the cache legitimately adds per step (host KV, and the pagers' own
 `index_bytes` estimate), thread counts, TPOT after warm-up vs at the end, with and without the page
 selection inside each step (the part that grows with the index).
+
+With ``reference_every=R`` a second, *reference* cache decodes in lockstep on the same thread: after each
+timed soak step, one timed reference step. The reference is closed and prefilled afresh every R steps, so its
+index stays as small as the soak's was after warm-up (R = the warm-up window's length: the same sizes). The
+end-of-run TPOT is then compared with a warm TPOT measured at the same moments, on the same machine state:
+a shared machine that slows down or speeds up over minutes moves both, a cache that decays moves only the soak.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import numpy as np
 import torch
 
 from icecache.core.config import IceCacheConfig
+from icecache.core.errors import ConfigError
 from icecache.runtime.cache import IceCache
 from icecache.runtime.generate import icecache_attention
 
@@ -34,15 +41,76 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+class _Reference:
+    """A cache decoding in lockstep with the soak's, re-prefilled every ``every`` steps (untimed), so its index
+    stays at warm-up size; its steps are timed like the soak's, right after them."""
+
+    def __init__(self, model: Any, config: IceCacheConfig, input_ids: torch.Tensor, background_inserts: bool, every: int) -> None:
+        self.model, self.config, self.input_ids, self.bg, self.every = model, config, input_ids, background_inserts, every
+        self.cache: IceCache | None = None
+        self.step_s: list[float] = []
+        self.index_s: list[float] = []
+        self.since: list[int] = []  # steps since the reference's prefill, at each timed step (1 = first)
+        self._reset()
+
+    def _reset(self) -> None:
+        if self.cache is not None:
+            self.cache.close()
+        self.cache = IceCache(self.model.config, self.config)
+        self.cache.prefetch_inserts = self.bg
+        out = self.model(self.input_ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        self.tok = out.logits[0, -1].argmax().view(1, 1)
+        self.cache.pipeline.wait_all()  # its index builds settled before the next timed step of either cache
+        self.done = 0
+
+    def step(self) -> None:
+        if self.done == self.every:
+            self._reset()
+        c = self.cache
+        idx0 = c.timer.seconds.get("select", 0.0) + c.timer.seconds.get("insert", 0.0) + c.pipeline.wait_seconds
+        t0 = time.perf_counter()
+        out = self.model(self.tok, past_key_values=c, use_cache=True)
+        self.tok = out.logits[0, -1].argmax().view(1, 1)
+        self.step_s.append(time.perf_counter() - t0)
+        self.index_s.append(c.timer.seconds.get("select", 0.0) + c.timer.seconds.get("insert", 0.0) + c.pipeline.wait_seconds - idx0)
+        self.done += 1
+        self.since.append(self.done)
+
+    def close(self) -> None:
+        if self.cache is not None:
+            self.cache.close()
+            self.cache = None
+
+    def report(self, warm: slice, end: slice, n_offset: int) -> dict[str, float]:
+        """Medians over the soak's windows of the reference's steps past its own warm-up (its first
+        ``min(50, every // 10)`` steps after each prefill are left out); ``n``: its indexed tokens per head."""
+        s, ix, since = np.asarray(self.step_s), np.asarray(self.index_s), np.asarray(self.since)
+        skip = min(50, self.every // 10)
+        out: dict[str, float] = {"reference_every": self.every}
+        for name, w in (("warm", warm), ("end", end)):
+            ok = since[w] > skip
+            if not ok.any():
+                ok[:] = True
+            out[f"ref_{name}_ms"] = float(np.median(s[w][ok]) * 1000)
+            out[f"ref_{name}_without_index_ms"] = float(np.median((s - ix)[w][ok]) * 1000)
+            out[f"ref_index_{name}_ms"] = float(np.median(ix[w][ok]) * 1000)
+            out[f"ref_{name}_n"] = float(np.median(n_offset + since[w][ok]))
+        return out
+
+
 @torch.inference_mode()
 def soak(model: Any, config: IceCacheConfig, prompt_tokens: int, new_tokens: int, checkpoint_every: int = 1000,
          input_ids: torch.Tensor | None = None, verify_host: bool = False, progress: bool = False, seed: int = 0,
-         background_inserts: bool = True) -> dict[str, Any]:
+         background_inserts: bool = True, reference_every: int = 0) -> dict[str, Any]:
     """Prefill ``prompt_tokens`` (random ids unless ``input_ids``) and decode ``new_tokens`` greedily under
     IceCache, checking invariants; returns the figures (see module docstring). ``background_inserts=False``
     inserts each token leaving the window on the decode thread (timed in the step) instead of on the worker
-    while the next layers compute."""
+    while the next layers compute. ``reference_every`` > 0: interleave a reference cache re-prefilled every that
+    many steps (see module docstring; doubles the run time); 0: none."""
     from tqdm.auto import tqdm
+
+    if not isinstance(reference_every, int) or reference_every < 0:
+        raise ConfigError(f"reference_every must be an int >= 0, got {reference_every!r}")
 
     if input_ids is None:
         vocab = model.config.get_text_config().vocab_size if hasattr(model.config, "get_text_config") else model.config.vocab_size
@@ -79,11 +147,14 @@ def soak(model: Any, config: IceCacheConfig, prompt_tokens: int, new_tokens: int
     stages_s: list[float] = []  # seconds of all IceCache stages and of waits for its background inserts
     index_s: list[float] = []  # select + insert + waits for background inserts: the work that grows with the index
     index_marks: list[tuple[int, int, int]] = []  # (step, pagers' index bytes, host store allocated bytes)
+    ref: _Reference | None = None
     try:
         with icecache_attention(model):
             t0 = time.perf_counter()
             out = model(input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
             report["prefill_seconds"] = time.perf_counter() - t0
+            if reference_every:
+                ref = _Reference(model, config, input_ids, background_inserts, reference_every)
             tok = out.logits[0, -1].argmax().view(1, 1)
             dev0 = None
             host_prev = None
@@ -129,6 +200,8 @@ def soak(model: Any, config: IceCacheConfig, prompt_tokens: int, new_tokens: int
                                 assert torch.equal(k, full[h, pos]), f"host K of layer {li} head {h} differs"
                         report["host_checks"] += 1
                     rss.append((i, _rss_bytes()))
+                if ref is not None:
+                    ref.step()
                 bar.update(1)
             bar.close()
         report["device_bytes_constant"] = dev0 is not None and dev0 >= 0
@@ -139,6 +212,8 @@ def soak(model: Any, config: IceCacheConfig, prompt_tokens: int, new_tokens: int
         report["host_bytes_per_step"] = per_step
     finally:
         cache.close()
+        if ref is not None:
+            ref.close()
     s = np.asarray(step_s)
     n = len(s)
     w0 = min(50, n // 10)
@@ -157,6 +232,12 @@ def soak(model: Any, config: IceCacheConfig, prompt_tokens: int, new_tokens: int
         ix = np.asarray(index_s)
         report["index_warm_ms"], report["index_end_ms"] = ms(ix, warm), ms(ix, end)
         report["tpot_drift_without_index"] = ms(s - ix, end) / ms(s - ix, warm) - 1.0
+    if ref is not None and len(ref.step_s) == n:
+        report.update(ref.report(warm, end, n_offset=report["prompt_tokens"] - config.sink - config.window))
+        report["tpot_drift_vs_reference"] = report["tpot_end_ms"] / report["ref_end_ms"] - 1.0
+        if "index_end_ms" in report:
+            ix = np.asarray(index_s)
+            report["tpot_drift_vs_reference_without_index"] = ms(s - ix, end) / report["ref_end_without_index_ms"] - 1.0
     if len(rss) >= 2:
         xs, ys = np.array([r[0] for r in rss], float), np.array([r[1] for r in rss], float)
         report["rss_slope_bytes_per_step"] = float(np.polyfit(xs, ys, 1)[0])

@@ -918,6 +918,8 @@ def fit_profile_predictors(samples: dict[str, Any], statistic: str = "p25") -> d
     for name, rows in samples.get("decode_index", {}).items():  # see `MeasuredCosts.select_job_s`
         fit(f"select_decode/{name}", "pwpower", rows, ["n"])
         fit(f"insert_decode/{name}", "pwpower", [dict(r, seconds=r["insert_seconds"]) for r in rows], ["n"])
+        if rows and all(r.get("step_seconds") for r in rows):  # the whole decode step (profiles since 2026-11)
+            fit(f"step_decode/{name}", "pwpower", [dict(r, seconds=r["step_seconds"]) for r in rows], ["n"])
     return preds
 
 

@@ -614,6 +614,17 @@ class MeasuredCosts:
             t *= self._p(dec, [max(n, 1)], notes) / self._p(name, [max(n, 1), ref["budget"], ref["page_size"]], notes)
         return t * self._shape_ratio(shape, "query", notes)
 
+    def decode_step_in_runtime_s(self, pager: str, n: int, notes: list[str] | None = None) -> float:
+        """One whole decode step (seconds) of the calibration's own model under the runtime, every layer sparse,
+        at ``n`` indexed tokens per KV head (``step_decode/<pager>``, fitted from the ``decode_index`` timing's
+        steps): what a fresh generation of that size costs, the index's effect on the rest of the step included.
+        Only for runs of that model with that timing's budget and page size (no shape scaling)."""
+        name = f"step_decode/{pager}"
+        if name not in self.profile.predictors:
+            raise ConfigError(f"the calibration profile has no {name} (measured with component 'decode_index' since "
+                              f"2026-11; has: {', '.join(sorted(k for k in self.profile.predictors if '_decode/' in k)) or 'none'})")
+        return self._p(name, [max(n, 1)], notes)
+
     def build_job_s(self, shape: Any, pager: str, n: int, page_size: int, notes: list[str] | None = None) -> float:
         """One KV head's prefill job over ``n`` tokens: the index build, plus writing the K/V into the host store's
         pages when the profile measured that (``store_sync``; older profiles: the build only, noted)."""
