@@ -5,7 +5,9 @@
 
 The tiny random Llama (4 layers) runs with every registered pager; the embedded SmolLM2 with the pagers
 given (about 80 ms per token on our 2 cores, so 20k tokens take ~30 minutes per pager). Positions go past
-SmolLM2's 8k training context: the text degrades, the invariants must not.
+SmolLM2's 8k training context: the text degrades, the invariants must not. For TPOT drift on a machine whose
+speed drifts, add ``--reference-every 2000``: a warm-size reference cache decodes in lockstep (tiny runs), scored
+by ``experiments/reliability/drift_vs_sim.py``.
 """
 
 from __future__ import annotations
