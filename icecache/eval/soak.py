@@ -41,6 +41,12 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _index_seconds(cache: IceCache) -> float:
+    """Seconds so far of the work that grows with the index: select + insert + waits for background inserts."""
+    t = cache.timer.seconds
+    return t.get("select", 0.0) + t.get("insert", 0.0) + cache.pipeline.wait_seconds
+
+
 class _Reference:
     """A cache decoding in lockstep with the soak's, re-prefilled every ``every`` steps (untimed), so its index
     stays at warm-up size; its steps are timed like the soak's, right after them."""
@@ -67,12 +73,12 @@ class _Reference:
         if self.done == self.every:
             self._reset()
         c = self.cache
-        idx0 = c.timer.seconds.get("select", 0.0) + c.timer.seconds.get("insert", 0.0) + c.pipeline.wait_seconds
+        idx0 = _index_seconds(c)
         t0 = time.perf_counter()
         out = self.model(self.tok, past_key_values=c, use_cache=True)
         self.tok = out.logits[0, -1].argmax().view(1, 1)
         self.step_s.append(time.perf_counter() - t0)
-        self.index_s.append(c.timer.seconds.get("select", 0.0) + c.timer.seconds.get("insert", 0.0) + c.pipeline.wait_seconds - idx0)
+        self.index_s.append(_index_seconds(c) - idx0)
         self.done += 1
         self.since.append(self.done)
 
@@ -164,15 +170,14 @@ def soak(model: Any, config: IceCacheConfig, prompt_tokens: int, new_tokens: int
             for i in range(new_tokens):
                 sel0 = cache.timer.seconds.get("select", 0.0)
                 all0 = sum(cache.timer.seconds.values()) + cache.pipeline.wait_seconds
-                idx0 = sel0 + cache.timer.seconds.get("insert", 0.0) + cache.pipeline.wait_seconds
+                idx0 = _index_seconds(cache)
                 t1 = time.perf_counter()
                 out = model(tok, past_key_values=cache, use_cache=True)
                 tok = out.logits[0, -1].argmax().view(1, 1)
                 step_s.append(time.perf_counter() - t1)
                 select_s.append(cache.timer.seconds.get("select", 0.0) - sel0)
                 stages_s.append(sum(cache.timer.seconds.values()) + cache.pipeline.wait_seconds - all0)
-                index_s.append(cache.timer.seconds.get("select", 0.0) + cache.timer.seconds.get("insert", 0.0)
-                               + cache.pipeline.wait_seconds - idx0)
+                index_s.append(_index_seconds(cache) - idx0)
                 dev = cache.device_kv_bytes(("sparse",))
                 if dev0 is None:
                     dev0 = dev
