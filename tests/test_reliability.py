@@ -294,6 +294,8 @@ def test_soak_reference_cache_decodes_in_lockstep():
     assert r["tpot_drift_vs_reference"] == pytest.approx(r["tpot_end_ms"] / r["ref_end_ms"] - 1.0)
     with pytest.raises(ConfigError, match="reference_every"):
         soak(model, cfg, prompt_tokens=150, new_tokens=10, reference_every=-1)
+    with pytest.raises(ConfigError, match="reference_every"):
+        soak(model, cfg, prompt_tokens=150, new_tokens=10, reference_every=True)
 
 
 # ------------------------------------------------------------------------------------------ soak (full, slow)

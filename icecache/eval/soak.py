@@ -115,7 +115,7 @@ def soak(model: Any, config: IceCacheConfig, prompt_tokens: int, new_tokens: int
     many steps (see module docstring; doubles the run time); 0: none."""
     from tqdm.auto import tqdm
 
-    if not isinstance(reference_every, int) or reference_every < 0:
+    if isinstance(reference_every, bool) or not isinstance(reference_every, int) or reference_every < 0:
         raise ConfigError(f"reference_every must be an int >= 0, got {reference_every!r}")
 
     if input_ids is None:
