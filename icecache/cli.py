@@ -81,15 +81,67 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _ice_config(args: argparse.Namespace):
-    from icecache.core.config import IceCacheConfig, parse_params
+#: IceCacheConfig fields the command line sets: field -> (flag, value parser, help). Defaults are never
+#: restated here: each option's default is None ("not given") and the config's own default applies.
+ICE_OPTIONS: dict[str, tuple[str, Any, str]] = {
+    "index": ("--index", str, "pager backend (icecache info lists them)"),
+    "budget": ("--budget", int, "middle tokens attended per layer and KV head"),
+    "index_params": ("--index-params", str, "parameters of the --index pager, e.g. field_of_view=120,page_score=mass"),
+    "page_size": ("--page-size", int, "tokens per page"),
+    "sink": ("--sink", int, "first tokens always on the device"),
+    "window": ("--window", int, "recent tokens always on the device"),
+    "dense_layers": ("--dense-layers", str, "comma-separated layers that keep full KV ('' for none)"),
+    "reuse_every": ("--reuse-every", int, "IceCache(r): reuse a selection for r layers"),
+    "threads": ("--threads", int, "CPU threads for index work (0: all)"),
+    "seed": ("--seed", int, "random seed of the pagers"),
+    "heap_policy": ("--heap-policy", str, "glibc heap growth over long runs: trim, pin or none"),
+}
 
-    dense = tuple(int(x) for x in args.dense_layers.split(",") if x.strip()) if args.dense_layers is not None else (0, 1)
-    return IceCacheConfig(
-        budget=args.budget, page_size=args.page_size, sink=args.sink, window=args.window, index=args.index,
-        index_params=parse_params(args.index_params), dense_layers=dense, reuse_every=args.reuse_every,
-        threads=args.threads, seed=args.seed, heap_policy=args.heap_policy,
-    )
+
+def _config_default(name: str) -> Any:
+    from icecache.core.config import IceCacheConfig
+
+    value = getattr(IceCacheConfig(), name)
+    if name == "dense_layers":
+        return ",".join(map(str, value)) or "''"
+    if name == "index_params":
+        return "none"
+    return value
+
+
+def given_ice_options(args: argparse.Namespace) -> list[str]:
+    """The IceCache flags given explicitly on this command line."""
+    return [flag for name, (flag, _, _) in ICE_OPTIONS.items() if getattr(args, name, None) is not None]
+
+
+def _ice_config(args: argparse.Namespace, check_pager: bool = True, **overrides: Any):
+    """The `IceCacheConfig` of the flags given (the config's own defaults for the rest, then ``overrides``).
+
+    ``check_pager``: build one pager with these parameters now, so an unknown index or index parameter fails
+    before any model loads (the config alone does not know the registry)."""
+    from icecache.core.config import IceCacheConfig, parse_params
+    from icecache.core.errors import ConfigError
+
+    values: dict[str, Any] = {}
+    for name in ICE_OPTIONS:
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        if name == "index_params":
+            value = parse_params(value)
+        elif name == "dense_layers":
+            try:
+                value = tuple(int(x) for x in value.split(",") if x.strip())
+            except ValueError:
+                raise ConfigError(f"--dense-layers: expected comma-separated layer indices, got {value!r}") from None
+        values[name] = value
+    values.update(overrides)
+    config = IceCacheConfig(**values)
+    if check_pager:
+        from icecache.indexes import make_pager
+
+        make_pager(config.index, head_dim=8, page_size=config.page_size, seed=config.seed, **config.index_params)
+    return config
 
 
 def parse_pager_spec(spec: str) -> tuple[str, dict]:
@@ -127,9 +179,12 @@ def _print_stats(stats: dict, file=sys.stderr) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     import time
 
+    from icecache.core.errors import ConfigError
     from icecache.runtime.generate import generate
     from icecache.runtime.models import load_model
 
+    if args.full and given_ice_options(args):
+        raise ConfigError(f"--full runs plain full attention; {', '.join(given_ice_options(args))} would have no effect")
     config = None if args.full else _ice_config(args)
     t0 = time.perf_counter()
     model, tokenizer = load_model(args.model)
@@ -153,16 +208,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+#: `icecache demo` answers at this budget unless --budget says otherwise (the headline: IceCache at 64).
+DEMO_BUDGET = 64
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """A ~4k-token passkey prompt answered with IceCache at a tiny budget."""
     from icecache.eval.passkey import make_passkey, passkey_correct
     from icecache.runtime.generate import generate
     from icecache.runtime.models import load_model
 
-    config = _ice_config(args)
-    print(f"loading the embedded model ...", file=sys.stderr)
+    config = _ice_config(args, **({} if args.budget is not None else {"budget": DEMO_BUDGET}))
+    print("loading the embedded model ...", file=sys.stderr)
     model, tokenizer = load_model(args.model)
-    sample = make_passkey(tokenizer, args.tokens, depth=args.depth, seed=args.seed)
+    sample = make_passkey(tokenizer, args.tokens, depth=args.depth, seed=config.seed)
     print(f"passkey prompt: {sample.num_tokens} tokens, key hidden at depth {sample.depth:.0%}; "
           f"IceCache index={config.index} budget={config.budget} page_size={config.page_size} "
           f"sink={config.sink} window={config.window}", file=sys.stderr)
@@ -176,69 +235,42 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    import time
+    from icecache.eval.command import check_eval_flags
 
-    from icecache.eval.runner import EvalSpec, markdown, parse_length, run_eval, summarize, write_results
-    from icecache.runtime.models import load_model
+    check_eval_flags(args, given_ice_options(args))
+    if args.task == "ruler":
+        from icecache.eval.ruler.command import run_command
 
-    t0 = time.perf_counter()
-    spec = EvalSpec(
-        task=args.task,
-        methods=[m.strip() for m in args.methods.split(",") if m.strip()],
-        budgets=[int(b) for b in args.budgets.split(",") if b.strip()],
-        lengths=[parse_length(x) for x in args.lengths.split(",") if x.strip()],
-        samples=args.samples,
-        seed=args.seed,
-        config=_ice_config(args),
-        decode_tokens=args.decode_tokens,
-        **({"variants": args.variants.split(",")} if args.variants else {}),
-        **({"depths": [float(d) for d in args.depths.split(",")]} if args.depths else {}),
-    )
-    model, tokenizer = load_model(args.model)
-    rows = run_eval(model, tokenizer, spec, progress=not args.json)
-    summary = summarize(rows, seed=args.seed)
-    wall = time.perf_counter() - t0
-    if args.out:
-        import shlex
+        return run_command(args)
+    from icecache.eval.command import run_task_command
 
-        header = f"Command: `icecache {' '.join(shlex.quote(a) for a in sys.argv[1:])}`\n\nWall time: {wall:.0f} s\n"
-        write_results(rows, summary, args.out, header)
-    if args.json:
-        print(json.dumps({"summary": summary}, default=str))
-    else:
-        print(markdown(summary))
-        print(f"wall time {wall:.0f} s", file=sys.stderr)
-    return 0
+    return run_task_command(args)
 
 
-def _add_ice_options(p: argparse.ArgumentParser, budget: int = 256) -> None:
-    g = p.add_argument_group("IceCache")
-    g.add_argument("--index", default="mdci", help="pager backend (icecache info lists them; default mdci)")
-    g.add_argument("--budget", type=int, default=budget, help=f"middle tokens attended per layer and KV head (default {budget})")
-    g.add_argument("--index-params", default=None, metavar="K=V,...",
-                   help="parameters of the --index pager, e.g. field_of_view=120,page_score=mass (eval: they tune "
-                        "the icecache methods, other methods' pagers keep their defaults)")
-    g.add_argument("--page-size", type=int, default=16, help="tokens per page (default 16)")
-    g.add_argument("--sink", type=int, default=4, help="first tokens always on the device (default 4)")
-    g.add_argument("--window", type=int, default=64, help="recent tokens always on the device (default 64)")
-    g.add_argument("--dense-layers", default=None, help="comma-separated layers that keep full KV (default 0,1)")
-    g.add_argument("--reuse-every", type=int, default=1, help="IceCache(r): reuse a selection for r layers (default 1)")
-    g.add_argument("--threads", type=int, default=0, help="CPU threads for index work (default: all)")
-    g.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    g.add_argument("--heap-policy", choices=("trim", "pin", "none"), default="trim",
-                   help="glibc heap growth over long runs: trim every 256 steps (default), pin the mmap threshold, or none")
+def _add_ice_options(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    g = p.add_argument_group("IceCache (defaults: IceCacheConfig's)")
+    for name, (flag, kind, text) in ICE_OPTIONS.items():
+        if name in skip:
+            continue
+        extra: dict[str, Any] = {"choices": ("trim", "pin", "none")} if name == "heap_policy" else {}
+        g.add_argument(flag, dest=name, type=kind, default=None, help=f"{text} (default {_config_default(name)})", **extra)
+
+
+def _parser(sub: Any, name: str, **kw: Any) -> argparse.ArgumentParser:
+    return sub.add_parser(name, allow_abbrev=False, **kw)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="icecache", description="Memory-efficient KV-cache management for long-sequence decoding.")
+    p = argparse.ArgumentParser(prog="icecache", allow_abbrev=False,
+                                description="Memory-efficient KV-cache management for long-sequence decoding.")
     sub = p.add_subparsers(dest="command", required=True)
 
-    info = sub.add_parser("info", help="model, config defaults, versions, cache location")
+    info = _parser(sub, "info", help="model, config defaults, versions, cache location")
     info.add_argument("--model", default=None, help="model name, .gguf file or model directory (default: the embedded model)")
     info.add_argument("--json", action="store_true", help="machine-readable output")
     info.set_defaults(func=cmd_info)
 
-    gen = sub.add_parser("generate", help="generate a continuation of a prompt with IceCache (or --full)")
+    gen = _parser(sub, "generate", help="generate a continuation of a prompt with IceCache (or --full)")
     gen.add_argument("prompt", help="the prompt text")
     gen.add_argument("--full", action="store_true", help="plain full attention instead of IceCache")
     _add_ice_options(gen)
@@ -248,42 +280,67 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     gen.set_defaults(func=cmd_generate)
 
-    demo = sub.add_parser("demo", help="passkey retrieval from a ~4k-token prompt with IceCache at budget 64")
+    demo = _parser(sub, "demo", help=f"passkey retrieval from a ~4k-token prompt with IceCache at budget {DEMO_BUDGET}")
     demo.add_argument("--model", default=None, help="model (default: the embedded model)")
     demo.add_argument("--tokens", type=_positive_int, default=4096, help="prompt length in tokens (default 4096)")
     demo.add_argument("--depth", type=float, default=0.5, help="relative depth of the key (default 0.5)")
-    _add_ice_options(demo, budget=64)
+    _add_ice_options(demo)
     demo.set_defaults(func=cmd_demo)
 
-    ev = sub.add_parser("eval", help="accuracy of methods x budgets x lengths on a task (passkey, needle, ppl, longgen)")
-    ev.add_argument("task", choices=["passkey", "needle", "ppl", "longgen"])
-    ev.add_argument("--methods", default="full,icecache,quest",
-                    help="comma-separated: full, exact, icecache, icecache-r, quest, streaming, snapkv, pqcache, icecache:<pager>")
-    ev.add_argument("--budgets", default="64,128,256", help="comma-separated budgets (default 64,128,256)")
-    ev.add_argument("--lengths", default="2k,4k", help="comma-separated prompt lengths, e.g. 2k,4k,8k (k = 1000 tokens)")
-    ev.add_argument("--samples", type=_positive_int, default=5, help="samples per length (and variant)")
-    ev.add_argument("--variants", default=None, help="needle variants (default single,multikey,multivalue)")
-    ev.add_argument("--depths", default=None, help="passkey depths (default 0.1,0.3,0.5,0.7,0.9)")
-    ev.add_argument("--decode-tokens", type=_positive_int, default=256, help="ppl: forced tokens; longgen: generated tokens")
-    ev.add_argument("--model", default=None, help="model (default: the embedded model)")
-    ev.add_argument("--out", default=None, help="directory for rows.csv, summary.csv, results.json, results.md")
-    ev.add_argument("--json", action="store_true", help="print the summary as JSON")
-    _add_ice_options(ev)
+    from icecache.eval.command import add_eval_arguments
+
+    ev = _parser(sub, "eval", help="accuracy of methods x budgets x lengths on a task (passkey, needle, ppl, longgen, ruler)")
+    add_eval_arguments(ev)
+    _add_ice_options(ev, skip=("budget",))
+    ev.add_argument("--budget", dest="budget", default=None, help=argparse.SUPPRESS)  # refused: eval takes --budgets
     ev.set_defaults(func=cmd_eval)
 
-    bench = sub.add_parser("bench", help="benchmarks: `icecache bench index --help`", add_help=False)
-    bench.add_argument("what", choices=["index"], help="which benchmark")
-    bench.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own arguments")
-    bench.set_defaults(func=cmd_bench)
+    bench = _parser(sub, "bench", help="benchmarks (icecache bench index --help)")
+    bench_sub = bench.add_subparsers(dest="what", required=True)
+    index = _parser(bench_sub, "index", help="pager quality and speed on captured real keys", add_help=False)
+    index.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own arguments (see --help)")
+    index.set_defaults(func=cmd_bench)
+
+    for name, text in (("sim", "the timing simulator (icecache sim --help; same as python -m icecache.sim)"),
+                       ("calibrate", "measure this machine and write a simulator profile (icecache calibrate --help)")):
+        forward = _parser(sub, name, help=text, add_help=False)
+        forward.add_argument("rest", nargs=argparse.REMAINDER)
+        forward.set_defaults(func=cmd_sim if name == "sim" else cmd_calibrate)
     return p
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    if args.what == "index":
-        from icecache.eval.bench_index import main as bench_index_main
+def _bench_index(argv: list[str]) -> int:
+    from icecache.eval.bench_index import main as bench_index_main
 
-        return int(bench_index_main(args.rest) or 0)
-    raise AssertionError(args.what)
+    return bench_index_main(argv)
+
+
+def _sim(argv: list[str]) -> int:
+    from icecache.sim.__main__ import main as sim_main
+
+    return sim_main(argv)
+
+
+def _calibrate(argv: list[str]) -> int:
+    from icecache.sim.__main__ import main as sim_main
+
+    return sim_main(["calibrate", *argv])
+
+
+#: Leading words -> the entry point that parses the rest itself.
+FORWARDED = {("bench", "index"): _bench_index, ("sim",): _sim, ("calibrate",): _calibrate}
+
+
+def cmd_bench(args: argparse.Namespace) -> int:  # reached only through --help listings; see FORWARDED
+    return _bench_index(args.rest)
+
+
+def cmd_sim(args: argparse.Namespace) -> int:
+    return _sim(args.rest)
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    return _calibrate(args.rest)
 
 
 def _positive_int(s: str) -> int:
@@ -297,14 +354,22 @@ def _positive_int(s: str) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``icecache``: our errors are one line on stderr (exit 2), Ctrl-C exits 130 quietly."""
     from icecache.core.errors import IceCacheError
 
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    forwarded = FORWARDED.get(tuple(argv[:2])) or FORWARDED.get(tuple(argv[:1]))
     try:
+        if forwarded is not None:  # commands with parsers of their own get their arguments untouched
+            return int(forwarded(argv[2:] if tuple(argv[:2]) in FORWARDED else argv[1:]) or 0)
+        args = build_parser().parse_args(argv)
         return int(args.func(args) or 0)
     except IceCacheError as exc:
         print(f"icecache: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("icecache: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

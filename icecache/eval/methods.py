@@ -2,8 +2,10 @@
 
     full        dense attention over the whole cache (a plain DynamicCache)
     exact       oracle: the top-B middle tokens by q.k (max over the GQA group), every step
-    icecache    semantic pages from the M-DCI index (``icecache:<pager>`` uses another registered pager)
-    icecache-r  IceCache(r): one selection reused by ``reuse_every`` consecutive layers
+    icecache    semantic pages from the configured pager (``IceCacheConfig.index``, M-DCI by default, with
+                its ``index_params``; ``icecache:<pager>`` names another registered pager explicitly)
+    icecache-r  IceCache(r): the same pager, one selection reused by ``reuse_every`` consecutive layers
+                (``IceCacheConfig.reuse_every``; 2 when the config leaves it at 1)
     quest       token-order pages of P tokens ranked by Quest's min/max bound, every step
     streaming   StreamingLLM: sink + the most recent W + B tokens (the same device KV as the others)
     snapkv      SnapKV: prefill-time eviction; the observation window's pooled attention keeps B middle
@@ -98,11 +100,18 @@ def for_pager(cfg: IceCacheConfig, index: str, **changes: Any) -> IceCacheConfig
     return cfg.replace(index=index, **({} if index == cfg.index else {"index_params": {}}), **changes)
 
 
-def _ice(index: str, **changes: Any) -> Callable[[Any, Prefill, IceCacheConfig], Any]:
+def _ice(index: str | None, **changes: Any) -> Callable[[Any, Prefill, IceCacheConfig], Any]:
+    """A method running `IceCache` with pager ``index`` (None: the config's own ``index``)."""
+
     def make(model: Any, prefill: Prefill, cfg: IceCacheConfig) -> IceCache:
-        return IceCache(model.config, for_pager(cfg, index, **changes)).load_prefill(prefill.kv)
+        return IceCache(model.config, for_pager(cfg, index or cfg.index, **changes)).load_prefill(prefill.kv)
 
     return make
+
+
+def _ice_reuse(model: Any, prefill: Prefill, cfg: IceCacheConfig) -> IceCache:
+    reuse = cfg.reuse_every if cfg.reuse_every > 1 else 2
+    return IceCache(model.config, cfg.replace(reuse_every=reuse)).load_prefill(prefill.kv)
 
 
 def _full(model: Any, prefill: Prefill, cfg: IceCacheConfig) -> Any:
@@ -137,8 +146,8 @@ def get_method(name: str) -> Method:
     fixed: dict[str, Method] = {
         "full": Method("full", _full, uses_budget=False),
         "exact": Method("exact", _ice("exact")),
-        "icecache": Method("icecache", _ice("mdci")),
-        "icecache-r": Method("icecache-r", _ice("mdci", reuse_every=2)),
+        "icecache": Method("icecache", _ice(None)),
+        "icecache-r": Method("icecache-r", _ice_reuse),
         "quest": Method("quest", _ice("sequential")),
         "streaming": Method("streaming", _streaming),
         "snapkv": Method("snapkv", _snapkv),

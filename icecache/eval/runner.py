@@ -108,14 +108,16 @@ def _input_ids(spec: EvalSpec, tokenizer: Any, payload: Any) -> torch.Tensor:
     return torch.tensor([payload.context])
 
 
-def run_eval(model: Any, tokenizer: Any, spec: EvalSpec, progress: bool = True) -> list[dict[str, Any]]:
-    """Run ``spec``; one row per (sample, method, budget)."""
+def run_eval(model: Any, tokenizer: Any, spec: EvalSpec, progress: bool = True,
+             rows: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """Run ``spec``; one row per (sample, method, budget), appended to ``rows`` (a new list when None) as each
+    finishes, so a caller interrupted midway keeps the finished rows."""
     from tqdm.auto import tqdm
 
     samples = list(_samples(spec, tokenizer))
     runs_per_sample = sum(len(spec.budgets) if get_method(m).uses_budget else 1 for m in spec.methods)
     bar = tqdm(total=len(samples) * runs_per_sample, desc=f"eval {spec.task}", unit="run", disable=not progress)
-    rows: list[dict[str, Any]] = []
+    rows = [] if rows is None else rows
     stop = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     for length, variant, idx, payload in samples:
         ids = _input_ids(spec, tokenizer, payload)

@@ -1,0 +1,149 @@
+"""The command line: every IceCache flag reaches the config (and through eval's methods, the cache), flags that
+would have no effect are refused in one line, bad input never prints a traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from icecache import IceCacheConfig
+from icecache.cli import ICE_OPTIONS, _ice_config, build_parser, main
+from icecache.core.errors import ConfigError
+from icecache.eval.harness import run_prefill
+from icecache.eval.methods import get_method
+
+from conftest import make_tiny_llama
+
+#: A value for each IceCache flag that differs from the config default, and the field value it must give.
+FLAG_VALUES = {
+    "--index": ("ivf", "ivf"),
+    "--budget": ("48", 48),
+    "--index-params": ("page_score=mass", {"page_score": "mass"}),
+    "--page-size": ("8", 8),
+    "--sink": ("2", 2),
+    "--window": ("24", 24),
+    "--dense-layers": ("1,3", (1, 3)),
+    "--reuse-every": ("2", 2),
+    "--threads": ("1", 1),
+    "--seed": ("7", 7),
+    "--heap-policy": ("none", "none"),
+}
+
+
+def test_every_config_flag_is_tested_and_has_no_restated_default():
+    assert set(FLAG_VALUES) == {flag for flag, _, _ in ICE_OPTIONS.values()}
+    args = build_parser().parse_args(["generate", "hi"])
+    assert all(getattr(args, name) is None for name in ICE_OPTIONS)  # defaults come from IceCacheConfig
+    assert _ice_config(args) == IceCacheConfig()
+
+
+@pytest.mark.parametrize("flag", sorted(FLAG_VALUES))
+@pytest.mark.parametrize("command", ["generate", "demo", "eval"])
+def test_each_flag_reaches_the_config(command, flag):
+    text, expected = FLAG_VALUES[flag]
+    if command == "eval" and flag == "--budget":
+        pytest.skip("eval takes --budgets (refusal tested below)")
+    argv = {"generate": ["generate", "hi"], "demo": ["demo"], "eval": ["eval", "passkey"]}[command]
+    args = build_parser().parse_args([*argv, flag, text])
+    field = next(name for name, (f, _, _) in ICE_OPTIONS.items() if f == flag)
+    config = _ice_config(args)
+    assert getattr(config, field) == expected
+    others = {n: getattr(config, n) for n in ICE_OPTIONS if n != field}
+    assert others == {n: getattr(IceCacheConfig(), n) for n in others}
+
+
+def test_index_params_are_checked_before_any_model_loads():
+    args = build_parser().parse_args(["generate", "hi", "--index", "ivf", "--index-params", "nprob=2"])
+    with pytest.raises(ConfigError, match="nprob"):
+        _ice_config(args)
+    args = build_parser().parse_args(["generate", "hi", "--index", "ivf", "--index-params", "nprobe=2"])
+    assert _ice_config(args).index_params == {"nprobe": 2}
+
+
+@pytest.fixture(scope="module")
+def prefill_and_model():
+    model = make_tiny_llama(seed=3)
+    ids = torch.randint(3, 128, (1, 120), generator=torch.Generator().manual_seed(1))
+    return model, run_prefill(model, ids, obs_window=16)
+
+
+def _cache_config(model, prefill, method: str, argv: list[str]):
+    args = build_parser().parse_args(["eval", "passkey", "--methods", method, *argv])
+    cache = get_method(method).cache(model, prefill, _ice_config(args).replace(budget=16))
+    try:
+        pager = cache.layers[2].pagers[0][0]
+        return cache.ice, pager
+    finally:
+        cache.close()
+
+
+def test_eval_index_and_params_reach_the_icecache_methods(prefill_and_model):
+    """`eval --index ivf --index-params nprobe=2` runs IVF with nprobe 2 (it used to run M-DCI, silently)."""
+    model, prefill = prefill_and_model
+    for method in ("icecache", "icecache-r"):
+        ice, pager = _cache_config(model, prefill, method, ["--index", "ivf", "--index-params", "nprobe=2", "--dense-layers", "0"])
+        assert ice.index == "ivf" and ice.index_params == {"nprobe": 2}
+        assert type(pager).__name__ == "IVFPager" and pager.nprobe == 2
+    ice, pager = _cache_config(model, prefill, "icecache", ["--dense-layers", "0"])
+    assert ice.index == "mdci" and type(pager).__name__ == "MDCIPager"
+    # the fixed-pager methods keep their pager and its defaults
+    ice, pager = _cache_config(model, prefill, "quest", ["--dense-layers", "0"])
+    assert ice.index == "sequential" and ice.index_params == {}
+
+
+@pytest.mark.parametrize("method", ["exact", "icecache", "icecache-r", "quest", "pqcache", "streaming", "snapkv"])
+def test_shared_fields_reach_every_method(prefill_and_model, method):
+    model, prefill = prefill_and_model
+    argv = ["--page-size", "8", "--sink", "2", "--window", "24", "--dense-layers", "0,3", "--threads", "1", "--seed", "5",
+            "--heap-policy", "none", "--reuse-every", "3"]
+    ice, _ = _cache_config(model, prefill, method, argv)
+    expected_window = 24 + 16 if method == "streaming" else 24  # streaming: the budget slots join the window
+    assert (ice.page_size, ice.sink, ice.window, ice.dense_layers) == (8, 2, expected_window, (0, 3))
+    assert (ice.threads, ice.seed, ice.heap_policy, ice.reuse_every) == (1, 5, "none", 3)
+
+
+def test_icecache_r_reuses_two_layers_unless_told_otherwise(prefill_and_model):
+    model, prefill = prefill_and_model
+    assert _cache_config(model, prefill, "icecache-r", [])[0].reuse_every == 2
+    assert _cache_config(model, prefill, "icecache-r", ["--reuse-every", "4"])[0].reuse_every == 4
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["eval", "passkey", "--budget", "64"], "--budget does not apply"),
+    (["eval", "passkey", "--index", "ivf", "--methods", "full,quest"], "none of --methods"),
+    (["eval", "passkey", "--index-params", "nprobe=2", "--methods", "exact"], "none of --methods"),
+    (["eval", "passkey", "--window", "32", "--methods", "full"], "no effect"),
+    (["eval", "passkey", "--variants", "single"], "applies to eval needle"),
+    (["eval", "needle", "--depths", "0.5"], "applies to eval passkey"),
+    (["eval", "passkey", "--decode-tokens", "9"], "applies to eval ppl/longgen"),
+    (["eval", "needle", "--tasks", "vt"], "applies to eval ruler"),
+    (["eval", "ruler", "--variants", "single", "--out", "unused"], "applies to eval needle"),
+    (["eval", "passkey", "--lengths", "2q"], "--lengths: expected"),
+    (["eval", "ruler", "--lengths", "2q", "--out", "unused"], "--lengths: expected"),
+    (["eval", "ruler", "--tasks", "nope", "--out", "unused"], "unknown ['nope']"),
+    (["eval", "ruler", "--methods", "full"], "needs --out"),
+    (["eval", "passkey", "--methods", "fulll"], "unknown method"),
+    (["generate", "hi", "--full", "--budget", "3"], "--full runs plain full attention"),
+    (["generate", "hi", "--index-params", "bogus=1"], "no parameter 'bogus'"),
+    (["generate", "hi", "--dense-layers", "a"], "--dense-layers"),
+    (["generate", "hi", "--index", "nope"], "nope"),
+])
+def test_refused_in_one_line(capsys, argv, message):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("icecache: error:") and message in err and "\n" not in err and "Traceback" not in err
+
+
+def test_no_prefix_abbreviations():
+    """`--budget` must not silently mean `--budgets` (argparse's prefix matching is off)."""
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["eval", "passkey", "--samp", "3"])
+
+
+def test_bench_help_prints_help_without_arguments():
+    for argv in (["bench", "--help"], ["bench", "index", "--help"]):
+        out = subprocess.run([sys.executable, "-m", "icecache.cli", *argv], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and "usage:" in out.stdout and "Traceback" not in out.stderr
