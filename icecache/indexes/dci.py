@@ -241,7 +241,7 @@ class DCIParams:
         exhaustive query: every token of a visited cluster scored, ``prop_to_retrieve`` 1.0, and the field of
         view ``min(max(7.5e-3 n, 60), 200)``, 5x IceCache's up to 27k tokens, capped so the select time grows
         sublinearly beyond; the `MDCIPager` default, chosen from measurements: see
-        ``experiments/backends.md``) or ``"dci-knn"`` (the dci-knn wrapper defaults: L = 2, m = 7,
+        ``experiments/bench_index/README.md``) or ``"dci-knn"`` (the dci-knn wrapper defaults: L = 2, m = 7,
         construction F = 10 with prop_to_retrieve 0.002 and no brute force, query F = 100 with
         prop_to_retrieve 0.05; levels still from the MD schedule, disjoint)."""
         if name == "icecache":

@@ -27,7 +27,7 @@ page former and searcher of IceCache's semantic paging (arXiv 2604.10539).
   ``k = ceil(search_factor * budget)`` nearest transformed keys (``ef = max(ef, k)``); the union of the found
   tokens is scored exactly, ``max_g q_g . k``; a page's score is its best found token; pages are returned best
   first (ties: lower id). When ``k`` reaches the number of tokens the search is exhaustive (every token is
-  scored, no graph), so a budget covering every token selects every page. Measured (``experiments/backends.md``):
+  scored, no graph), so a budget covering every token selects every page. Measured (``experiments/bench_index/README.md``):
   at 8k tokens the default ``ef`` is saturated; at 64k the search for transformed queries (which lie far from
   the transformed keys) misses the heaviest tokens unless ``ef`` is in the thousands.
 

@@ -42,7 +42,7 @@ class MDCIPager(SemanticPager):
     preset : {"wide", "icecache", "dci-knn"}
         Starting point of the parameters below (see `DCIParams.preset`); explicit arguments override it.
         ``"wide"`` (default) differs from ``"icecache"`` in the query only: ``prop_to_retrieve`` 1.0 and the
-        field of view ``min(max(7.5e-3 n, 60), 200)``. Measured at 8k real keys (``experiments/backends.md``): attention
+        field of view ``min(max(7.5e-3 n, 60), 200)``. Measured at 8k real keys (``experiments/bench_index/README.md``): attention
         recall@256 0.892 vs 0.886 (SmolLM2) and 0.678 vs 0.641 (Gemma-3), three quarters of the way to the
         own-pages oracle, for 1.5x / 2.8x the select time; Gemma-3's needle at 8k and 16k and SmolLM2's
         needles found where ``"icecache"`` misses them.
