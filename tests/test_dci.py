@@ -387,9 +387,9 @@ def test_slab_compaction_keeps_structure():
         idx.insert(X[i : i + 7])
     q = data(5, 3, 8)
     before = idx.query(q, 20)
-    used = idx._slab_used
-    idx._compact()
-    assert idx._slab_used <= used
+    used = idx.tree.slab_used
+    idx.tree.compact()
+    assert idx.tree.slab_used <= used
     idx.check()
     after = idx.query(q, 20)
     np.testing.assert_array_equal(before[0], after[0])

@@ -195,7 +195,7 @@ def test_exhaustive_selection_matches_oracle(seed, n, g, budget, inserted):
 def test_page_heap_pops_in_full_sort_order(scores, seed):
     """The ranking kernel heapifies the scored pages and pops the best until one does not fit: the pops come
     in the order of a full sort by (score descending, id ascending), ties (here frequent) included."""
-    from icecache.indexes._dci_kernels import _heapify, _pop_best
+    from icecache.indexes._dci_kernels import heapify_pages, pop_best_page
 
     rng = np.random.default_rng(seed)
     ids = rng.permutation(200)[: len(scores)].astype(np.int64)  # scored pages in discovery order
@@ -203,8 +203,8 @@ def test_page_heap_pops_in_full_sort_order(scores, seed):
     page_best[ids] = scores
     want = sorted(ids.tolist(), key=lambda p: (-page_best[p], p))
     heap = ids.copy()
-    _heapify(heap, len(heap), page_best)
-    got = [int(_pop_best(heap, k, page_best)) for k in range(len(heap), 0, -1)]
+    heapify_pages(heap, len(heap), page_best)
+    got = [int(pop_best_page(heap, k, page_best)) for k in range(len(heap), 0, -1)]
     assert got == want
 
 
@@ -388,7 +388,7 @@ def test_default_preset_is_wide_and_recalls_more_than_icecache():
 def test_wide_field_of_view_rule_is_capped(n, expected):
     """wide: F = min(max(int(7.5e-3 n), 60), 200), so select time stops growing linearly past ~27k tokens."""
     p = make_pager("mdci", head_dim=8, seed=0)
-    p.index._n = n  # the rule only reads the size
+    p.index.tree.num_points = n  # the rule only reads the size
     assert p.index.field_of_view() == expected
     assert make_pager("mdci", head_dim=8, fov_max=1000).index.params.fov_max == 1000
 
