@@ -26,7 +26,7 @@ The algorithm follows ``DCI_SPEC.md`` (section numbers below refer to it):
   to its current parent (exact scan, margin ``adopt_margin``); when the schedule opens a new top level,
   the new point becomes the only top node and adopts all old top nodes;
 * section 4, MIPS: keys are lifted to ``[k, sqrt(msq - |k|^2)]`` (scaled form; ``msq`` >= every squared
-  key norm) and queries to ``[c q / |q|, 0]`` with ``c = sqrt(msq)`` (MD uses norm 1; see `_query_proj`
+  key norm) and queries to ``[c q / |q|, 0]`` with ``c = sqrt(msq)`` (MD uses norm 1; see `DCITree.query_proj`
   for why we do not); the query->key distance is ``-<q, k>``; the key->key distance
   (parent choice) is ``msq - <a, b> - sqrt((msq - |a|^2)(msq - |b|^2))``, clamped at 0. When a key longer
   than ``sqrt(msq)`` arrives, ``msq`` becomes ``rekey_headroom`` x its squared norm and the whole structure

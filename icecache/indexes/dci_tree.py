@@ -369,7 +369,7 @@ class DCITree:
                 change = np.flatnonzero(pages[1:] != pages[:-1])
                 seq = np.concatenate([pages[:1], pages[change + 1]])
                 assert len(np.unique(seq)) == len(seq), f"a page of cluster {int(cid) - 1} is not contiguous in run-0 order"
-                # no two neighbouring pages that fit in one while one is under half full (`merge_small_page`)
+                # no two neighbouring pages that fit in one while one is under half full (dci_update._merge_small_page)
                 sizes = table.sizes_[seq]
                 small = (np.minimum(sizes[1:], sizes[:-1]) < table.page_size // 2) & (sizes[1:] + sizes[:-1] <= table.page_size)
                 assert not small.any(), f"cluster {int(cid) - 1} has two neighbouring pages that fit in one, one under half full"
