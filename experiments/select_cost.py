@@ -116,7 +116,7 @@ def main() -> None:
         n_rep = model.config.num_attention_heads // model.config.num_key_value_heads
         qs = []
         for p in pagers:  # a query group aimed at random middle keys of the pager's own head
-            k = p.index._X[: len(p)]
+            k = p.index.data()
             pick = torch.randint(0, len(p), (n_rep,), generator=g)
             qs.append(torch.from_numpy(k[pick.numpy()]).float() * 2.0)
         res["model_pagers"] = hot_vs_round_robin(pagers, qs, 256)

@@ -8,15 +8,15 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from icecache.core.errors import ConfigError, InputError, InputTypeError
+from icecache.core.pages import PageTable
 from icecache.core.transform import key_key_distance, transform_keys, transform_queries
-from icecache.indexes import _dci_kernels as K
+from icecache.indexes import _dci_kernels as kernels
 from icecache.indexes.dci import DCIIndex, DCIParams, PrioritizedDCI, SearchConfig
-
-import torch
 
 FAST = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 EXHAUSTIVE = SearchConfig(field_of_view=10**9, prop_to_retrieve=1.0)
@@ -96,7 +96,6 @@ def reference_walk(idx: DCIIndex, Q: np.ndarray, k: int, cfg: SearchConfig) -> t
     runs = [idx.cluster(-1, j) for j in range(L * m)]
     c = len(runs[0][0])
     dirs = idx.directions()
-    X = idx.data().astype(np.float64)
     Q = np.atleast_2d(Q).astype(np.float64)
     if idx.metric == "mips":
         nq = np.linalg.norm(Q, axis=1, keepdims=True)
@@ -107,26 +106,26 @@ def reference_walk(idx: DCIIndex, Q: np.ndarray, k: int, cfg: SearchConfig) -> t
     retrieve = max(ntr, math.ceil(ptr * c) if ptr >= 0 else -1)
     kk = min(k, c)
     cands: set[int] = set()
+
+    def choose(j: int, qp: np.ndarray, left: dict, right: dict, prio: dict, cur: dict) -> None:
+        keys = runs[j][1].astype(np.float64)
+        gl = qp[j] - keys[left[j]] if left[j] >= 0 else math.inf
+        gr = keys[right[j]] - qp[j] if right[j] < c else math.inf
+        if gl == math.inf and gr == math.inf:
+            prio[j], cur[j] = math.inf, None
+        elif gr < gl:
+            prio[j], cur[j] = gr, right[j]
+            right[j] += 1
+        else:
+            prio[j], cur[j] = gl, left[j]
+            left[j] -= 1
+
     for qp in QP:
         left, right, prio, cur = {}, {}, {}, {}
-
-        def choose(j: int) -> None:
-            keys = runs[j][1].astype(np.float64)
-            gl = qp[j] - keys[left[j]] if left[j] >= 0 else math.inf
-            gr = keys[right[j]] - qp[j] if right[j] < c else math.inf
-            if gl == math.inf and gr == math.inf:
-                prio[j], cur[j] = math.inf, None
-            elif gr < gl:
-                prio[j], cur[j] = gr, right[j]
-                right[j] += 1
-            else:
-                prio[j], cur[j] = gl, left[j]
-                left[j] -= 1
-
         for j in range(L * m):
             lo = int(np.sum(runs[j][1].astype(np.float64) < qp[j]))
             left[j], right[j] = lo - 1, lo
-            choose(j)
+            choose(j, qp, left, right, prio, cur)
         count: dict[tuple[int, int], int] = {}
         mine: set[int] = set()
         for r in range(c * m):
@@ -139,7 +138,7 @@ def reference_walk(idx: DCIIndex, Q: np.ndarray, k: int, cfg: SearchConfig) -> t
                 count[(comp, x)] = count.get((comp, x), 0) + 1
                 if count[(comp, x)] == m and x not in mine:
                     mine.add(x)
-                choose(h)
+                choose(h, qp, left, right, prio, cur)
             if len(mine) >= kk and (r + 1 >= visit or len(mine) >= retrieve):
                 break
         cands |= mine
@@ -192,8 +191,8 @@ def test_default_queries_are_valid(seed, n, d, k, metric, g, preset, prop, fov, 
 def test_tree_invariants_and_exact_parents(seed, n, d, metric, p0, p1, descent):
     """Property 5: brute force, or the descent with an exhaustive construction config, finds exact parents."""
     X = data(seed, n, d, clustered=True)
-    extra = dict(brute_force_threshold=0, bulk_brute_force_threshold=0,
-                 construction=SearchConfig(field_of_view=10**9, prop_to_retrieve=1.0)) if descent else {}
+    extra = {"brute_force_threshold": 0, "bulk_brute_force_threshold": 0,
+             "construction": SearchConfig(field_of_view=10**9, prop_to_retrieve=1.0)} if descent else {}
     idx = DCIIndex(d, metric, DCIParams(p0=p0, p1=p1, **extra), seed=seed)
     idx.build(X)
     idx.check()
@@ -243,7 +242,7 @@ def test_level_schedule(n, p0, p1):
     nxt = np.zeros(1, np.int64)
     lv = np.empty(n, np.int64)
     new_top = np.empty(n, np.bool_)
-    K.md_schedule(n, counts, nxt, p0, p1, math.ceil(1 / p0 - 1e-9), math.ceil(1 / p1 - 1e-9), lv, new_top)
+    kernels.md_schedule(n, counts, nxt, p0, p1, math.ceil(1 / p0 - 1e-9), math.ceil(1 / p1 - 1e-9), lv, new_top)
     assert lv.tolist() == reference_schedule(n, p0, p1)
     h = int(counts[63])
     sizes = np.bincount(lv, minlength=h) if n else np.zeros(0, np.int64)
@@ -354,8 +353,8 @@ def test_mips_results_do_not_depend_on_c(seed, n, d, k, bump):
        metric=st.sampled_from(["euclidean", "mips"]), p0=st.sampled_from([0.03, 0.2]), descent=st.booleans())
 def test_incremental_invariants(seed, n0, d, batches, metric, p0, descent):
     X = data(seed, n0, d, clustered=True)
-    extra = dict(brute_force_threshold=0, bulk_brute_force_threshold=0,
-                 construction=SearchConfig(field_of_view=10**9, prop_to_retrieve=1.0)) if descent else {}
+    extra = {"brute_force_threshold": 0, "bulk_brute_force_threshold": 0,
+             "construction": SearchConfig(field_of_view=10**9, prop_to_retrieve=1.0)} if descent else {}
     idx = DCIIndex(d, metric, DCIParams(p0=p0, **extra), seed=seed)
     idx.build(X)
     allx = [X]
@@ -369,7 +368,7 @@ def test_incremental_invariants(seed, n0, d, batches, metric, p0, descent):
     idx.check()
     assert_parents_are_nearest(idx)
     q = data(seed + 5, 1, d)[0]
-    ids, dist = idx.query(q, 10, config=EXHAUSTIVE)
+    _, dist = idx.query(q, 10, config=EXHAUSTIVE)
     ref = brute(X, q, metric)
     np.testing.assert_allclose(dist, np.sort(ref)[: len(dist)], atol=1e-5 * (1 + np.abs(ref).max()))
     # The level schedule continues across build and inserts: same levels as one build of everything.
@@ -387,9 +386,9 @@ def test_slab_compaction_keeps_structure():
         idx.insert(X[i : i + 7])
     q = data(5, 3, 8)
     before = idx.query(q, 20)
-    used = idx._slab_used
-    idx._compact()
-    assert idx._slab_used <= used
+    used = idx.tree.slab_used
+    idx.tree.compact()
+    assert idx.tree.slab_used <= used
     idx.check()
     after = idx.query(q, 20)
     np.testing.assert_array_equal(before[0], after[0])
@@ -453,7 +452,7 @@ def test_larger_keys_never_make_nan():
         assert np.isfinite(idx.projections()).all()
         idx.check()
     assert idx.num_rekeys >= 3
-    ids, dist = idx.query(rng.standard_normal(8).astype(np.float32), 10)
+    _, dist = idx.query(rng.standard_normal(8).astype(np.float32), 10)
     assert np.isfinite(dist).all()
 
 
@@ -513,3 +512,75 @@ def test_deterministic_for_any_thread_count():
                     np.testing.assert_array_equal(u, v)
             else:
                 np.testing.assert_array_equal(x, y)
+
+
+# ---------------------------------------------------------------------------------------------- the jobs composed
+def oracle_page_scores(idx: DCIIndex, Q: np.ndarray, budget: int) -> list[float]:
+    """Scores of the pages an exact ranking takes: every page scored by its best ``max_g q_g . k``, best first
+    (ties by id), taken while the next one fits in ``budget`` tokens."""
+    table = idx.table
+    s = -brute(idx.data(), Q, "mips")
+    best = {page: float(s[pos].max()) for page, pos in table.as_dict().items()}
+    out, total = [], 0
+    for page in sorted(best, key=lambda pg: (-best[pg], pg)):
+        if total + table.size(page) > budget:
+            break
+        out.append(best[page])
+        total += table.size(page)
+    return out
+
+
+@FAST
+@given(seed=st.integers(0, 2**16), n0=st.integers(0, 300), d=st.integers(1, 8),
+       batches=st.lists(st.tuples(st.integers(1, 40), st.floats(0.3, 3.0)), min_size=1, max_size=5),
+       metric=st.sampled_from(["euclidean", "mips"]), P=st.sampled_from([1, 4, 16]),
+       split=st.sampled_from(["projection", "2means"]), beam=st.sampled_from(["shared", "per-query"]),
+       g=st.integers(1, 3), budget=st.integers(0, 200))
+def test_build_insert_and_search_compose_exactly(seed, n0, d, batches, metric, P, split, beam, g, budget):
+    """`DCIIndex` runs the build (`dci_build`), insert (`dci_update`) and search (`dci_search`) jobs over one
+    `DCITree`: after a build and inserts (one point at a time: page splits and merges, adoptions, new top
+    levels and, with growing key scales, rekeys), the structure is valid and exhaustive queries and page
+    rankings equal brute force."""
+    table = PageTable(P) if metric == "mips" else None
+    params = DCIParams(query=EXHAUSTIVE, page_split=split, group_beam=beam)
+    idx = DCIIndex(d, metric, params, seed=seed, table=table)
+    X = data(seed, n0, d, clustered=True)
+    idx.build(X)
+    parts = [X]
+    for i, (m, scale) in enumerate(batches):
+        parts.append(data(seed + 100 + i, m, d, clustered=True, scale=scale))
+        for row in parts[-1]:
+            idx.insert(row[None])
+    X = np.concatenate(parts)
+    np.testing.assert_array_equal(idx.data(), X)
+    idx.check()
+    Q = data(seed + 9, g, d)
+    k = min(10, len(X))
+    ids, dist = idx.query(Q, k)  # params.query is exhaustive
+    assert_valid_result(idx, X, Q, k, ids, dist, metric)
+    ref = brute(X, Q, metric)
+    np.testing.assert_allclose(dist, np.sort(ref)[:k], atol=1e-5 * (1 + np.abs(ref).max()))
+    if table is not None:
+        pages, scores = idx.rank_pages(Q, budget)
+        want = oracle_page_scores(idx, Q, budget)
+        s = -ref  # max over the group of q . k
+        got = [float(s[table.positions(int(page))].max()) for page in pages]
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * (1 + np.abs(s).max()))
+        np.testing.assert_allclose(scores, np.array(got, np.float32), rtol=1e-5, atol=1e-5 * (1 + np.abs(s).max()))
+
+
+def test_flat_overrides_name_every_knob():
+    """`DCIParams.with_overrides` (what `MDCIPager` and ``--index-params`` use): flat names for the two search
+    configs, ``None`` keeps a value, an unknown name is a one-line `ConfigError` listing the names."""
+    base = DCIParams.preset("wide")
+    p = base.with_overrides(field_of_view=30, num_to_visit=5, construction_prop_to_retrieve=0.5, p0=0.1, fov_max=None)
+    assert p.query == replace(base.query, field_of_view=30, num_to_visit=5)
+    assert p.construction == replace(base.construction, prop_to_retrieve=0.5)
+    assert (p.p0, p.fov_max) == (0.1, 200)
+    assert base.with_overrides() == base
+    names = DCIParams.override_names()
+    assert "query" not in names and "construction" not in names and "construction_field_of_view" in names
+    with pytest.raises(ConfigError, match=r"^DCIParams has no parameter 'bogus'; its parameters: num_comp_indices, .*field_of_view"):
+        base.with_overrides(bogus=1)
+    with pytest.raises(ConfigError, match="p1"):
+        base.with_overrides(p1=1.5)

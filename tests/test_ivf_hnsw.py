@@ -8,14 +8,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from icecache import make_pager
 from icecache.core.errors import InputError
 from icecache.core.metrics import group_scores, hit_rate
 from icecache.core.pager import take_within_budget
 from icecache.core.transform import transform_keys
-from icecache.indexes.ivf import balanced_pages, faiss_gpu_available
+from icecache.indexes.ivf import faiss_gpu_available
+from icecache.indexes.page_split import balanced_pages
 
 NAMES = ["ivf", "hnsw"]
 #: parameters that make each pager's search exhaustive (every list probed / graph beam >= every token)
@@ -223,7 +225,10 @@ def test_ivf_retrains_when_inserts_exceed_the_fraction():
     # ... and the pages are those of a fresh build on the same keys.
     fresh = make_pager("ivf", head_dim=8, page_size=8, seed=2)
     fresh.build(keys[:301])
-    as_sets = lambda p: sorted(sorted(v.tolist()) for v in p.pages().values())  # noqa: E731
+
+    def as_sets(p):
+        return sorted(sorted(v.tolist()) for v in p.pages().values())
+
     assert as_sets(pager) == as_sets(fresh)
     # The next re-training needs more than 0.5 * 301 further tokens.
     for i in range(301, 400):

@@ -4,6 +4,7 @@ journal, incremental inserts, determinism, edge cases."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from itertools import pairwise
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 from icecache.core.errors import ConfigError, InputError
 from icecache.core.metrics import attention_recall
 from icecache.indexes import make_pager
+from icecache.indexes.dci import DCIParams, SearchConfig
 from icecache.indexes.mdci import MDCIPager
 
 FAST = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -43,20 +45,20 @@ def assert_pages_ok(p: MDCIPager, just_built: bool = False) -> None:
     assert tb.num_positions == n
     par = idx.parents()
     for node in [-1, *np.flatnonzero(idx.subtree_sizes() > 0).tolist()]:
-        ids, proj = idx.cluster(node)
+        ids, _ = idx.cluster(node)
         if len(ids) == 0:
             continue
         assert (par[ids] == node).all()
         pages = list(dict.fromkeys(tb.page_of(ids).tolist()))  # in run-0 order
         assert int(tb.sizes(pages).sum()) == len(ids)  # the cluster's pages hold exactly its points
         if p.params.page_split == "projection":
-            for a, b in zip(pages, pages[1:]):
+            for a, b in pairwise(pages):
                 assert idx.projections()[tb.positions(a), 0].max() <= idx.projections()[tb.positions(b), 0].min()
         if just_built:
             sizes = tb.sizes(pages)
             assert len(pages) == -(-len(ids) // p.page_size)
             assert sizes.max() - sizes.min() <= 1
-    for page, pos in tb.as_dict().items():
+    for pos in tb.as_dict().values():
         assert 1 <= len(pos) <= p.page_size
         assert len(set(par[pos].tolist())) == 1, "a page mixes clusters"
 
@@ -195,7 +197,7 @@ def test_exhaustive_selection_matches_oracle(seed, n, g, budget, inserted):
 def test_page_heap_pops_in_full_sort_order(scores, seed):
     """The ranking kernel heapifies the scored pages and pops the best until one does not fit: the pops come
     in the order of a full sort by (score descending, id ascending), ties (here frequent) included."""
-    from icecache.indexes._dci_kernels import _heapify, _pop_best
+    from icecache.indexes._dci_kernels import heapify_pages, pop_best_page
 
     rng = np.random.default_rng(seed)
     ids = rng.permutation(200)[: len(scores)].astype(np.int64)  # scored pages in discovery order
@@ -203,8 +205,8 @@ def test_page_heap_pops_in_full_sort_order(scores, seed):
     page_best[ids] = scores
     want = sorted(ids.tolist(), key=lambda p: (-page_best[p], p))
     heap = ids.copy()
-    _heapify(heap, len(heap), page_best)
-    got = [int(_pop_best(heap, k, page_best)) for k in range(len(heap), 0, -1)]
+    heapify_pages(heap, len(heap), page_best)
+    got = [int(pop_best_page(heap, k, page_best)) for k in range(len(heap), 0, -1)]
     assert got == want
 
 
@@ -353,6 +355,65 @@ def test_registry_params_and_errors():
         p.select(torch.randn(3, 8), -1)
 
 
+
+WIDE_FROM_ICECACHE = {"prop_to_retrieve": 1.0, "fov_scale": 7.5e-3, "fov_min": 60, "fov_max": 200}
+SAME_PARAMETERS = {  # each list: ways to ask for one parameter set
+    "wide": [
+        lambda: MDCIPager(16, seed=3),
+        lambda: MDCIPager(16, seed=3, params="wide"),
+        lambda: MDCIPager(16, seed=3, preset="wide"),
+        lambda: MDCIPager(16, seed=3, params=DCIParams(query=SearchConfig(field_of_view=None, prop_to_retrieve=1.0),
+                                                      fov_scale=7.5e-3, fov_min=60, fov_max=200)),
+        lambda: MDCIPager(16, seed=3, preset="icecache", **WIDE_FROM_ICECACHE),
+        lambda: make_pager("mdci", head_dim=16, seed=3, preset="icecache", **WIDE_FROM_ICECACHE),
+    ],
+    "icecache, F = 30, mass": [
+        lambda: MDCIPager(16, seed=3, params=DCIParams(query=SearchConfig(field_of_view=30, prop_to_retrieve=0.8), page_score="mass")),
+        lambda: MDCIPager(16, seed=3, params=DCIParams.preset("icecache").with_overrides(field_of_view=30, page_score="mass")),
+        lambda: MDCIPager(16, seed=3, params="icecache", field_of_view=30, page_score="mass"),
+        lambda: MDCIPager(16, seed=3, preset="icecache", field_of_view=30, page_score="mass"),
+        lambda: make_pager("mdci", head_dim=16, seed=3, preset="icecache", field_of_view=30, page_score="mass"),
+    ],
+}
+
+
+@pytest.mark.parametrize("name", list(SAME_PARAMETERS))
+def test_params_preset_and_overrides_select_identically(name):
+    """``MDCIPager(params=DCIParams(...))``, a preset name (``params=`` or ``preset=``) and keyword overrides
+    (directly or through `make_pager`, as ``IceCacheConfig.index_params`` and ``--index-params`` pass them)
+    that describe the same parameters build the same pages and select the same pages, tokens and scores."""
+    pagers = [make() for make in SAME_PARAMETERS[name]]
+    assert all(p.params == pagers[0].params for p in pagers)
+    runs = []
+    for p in pagers:
+        p.build(keys(1, 3000, clusters=20))
+        p.insert(keys(2, 300, clusters=5, scale=2.0))  # a rekey
+        sels = [p.select(keys(10 + i, 4), budget) for i in range(4) for budget in (64, 256)]
+        runs.append((p.pages(), [(s.pages, s.positions, s.indptr, s.scores) for s in sels]))
+    pages0, sels0 = runs[0]
+    for pages, sels in runs[1:]:
+        assert pages.keys() == pages0.keys() and all(torch.equal(pages[k], pages0[k]) for k in pages0)
+        for sel, sel0 in zip(sels, sels0):
+            assert all(torch.equal(a, b) for a, b in zip(sel, sel0))
+
+
+def test_params_errors_are_one_line_config_errors():
+    listing = r"its parameters: record_moves, params, preset, num_comp_indices, .*, field_of_view, .*construction_prop_to_retrieve$"
+    with pytest.raises(ConfigError, match=r"^pager 'mdci' has no parameter 'bogus'; " + listing):
+        make_pager("mdci", head_dim=8, bogus=1)
+    with pytest.raises(ConfigError, match=r"^pager 'mdci' has no parameter 'query'; " + listing):
+        MDCIPager(8, query=SearchConfig())  # a whole search config goes in params=DCIParams(query=...)
+    with pytest.raises(ConfigError, match="not both"):
+        MDCIPager(8, params="wide", preset="icecache")
+    with pytest.raises(ConfigError, match="DCIParams or a preset name"):
+        MDCIPager(8, params={"p0": 0.1})
+    with pytest.raises(ConfigError, match="unknown DCI preset 'bogus'"):
+        MDCIPager(8, params="bogus")
+    # None keeps the starting point's value (the command line's "not given"), as before.
+    assert MDCIPager(8, preset="wide", fov_max=None, field_of_view=None).params == DCIParams.preset("wide")
+    assert MDCIPager(8, construction_field_of_view=12).params.construction.field_of_view == 12
+
+
 def test_index_bytes_scale_with_n():
     a = make_pager("mdci", head_dim=16)
     a.build(keys(0, 2000))
@@ -388,7 +449,7 @@ def test_default_preset_is_wide_and_recalls_more_than_icecache():
 def test_wide_field_of_view_rule_is_capped(n, expected):
     """wide: F = min(max(int(7.5e-3 n), 60), 200), so select time stops growing linearly past ~27k tokens."""
     p = make_pager("mdci", head_dim=8, seed=0)
-    p.index._n = n  # the rule only reads the size
+    p.index.tree.num_points = n  # the rule only reads the size
     assert p.index.field_of_view() == expected
     assert make_pager("mdci", head_dim=8, fov_max=1000).index.params.fov_max == 1000
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from icecache import available_pagers, make_pager
 from icecache.core.errors import InputError, InputTypeError, UnknownNameError

@@ -5,7 +5,8 @@ Everything here is ``@njit(nogil=True, cache=True)``: a search releases the GIL,
 many heads in parallel, and the machine code is compiled once and cached on disk. No kernel uses numba's
 own threads (``prange``), so results never depend on thread count or timing.
 
-Storage the kernels read (owned by `icecache.indexes.dci.DCIIndex`; names used throughout):
+Storage the kernels read (owned by `icecache.indexes.dci_tree.DCITree`, whose attribute names its docstring maps to
+these; the names used throughout):
 
     X         [cap, d]     float32  raw vectors (keys), row = token id
     ext       [cap]        float32  MIPS extra coordinate sqrt(max(msq - |x|^2, 0)); zeros in Euclidean mode
@@ -21,7 +22,7 @@ Distance modes (ascending = better): 0 Euclidean ``min_g |x - q_g|``; 1 MIPS ``-
 2 key-key (MIPS construction) ``min_g max(msq - <q_g, x> - qext_g ext_x, 0)``, half the squared distance
 between scaled-form transformed keys (DCI_SPEC.md section 4).
 
-Scratch (one set per thread, see `icecache.indexes.dci._scratch`): stamp-tagged arrays so that no
+Scratch (one set per thread, see `icecache.indexes.dci_search.thread_scratch`): stamp-tagged arrays so that no
 ``O(n)`` clearing is needed per query. ``stamp[0]`` is a counter that only grows. A search's results are
 pool-ordered: ``pool_ids[i]`` is the i-th evaluated token, ``dist[i]`` its distance and ``gsc[i, g]`` its
 ``<q_g, x>`` (MIPS), so a descent writes them sequentially instead of at scattered token ids.
@@ -126,7 +127,7 @@ def evaluate(A, r, t, Q, qext, mode, msq, ext, gsc, row, store_g) -> float:
 @njit(nogil=True, cache=True, fastmath=_FM)
 def query_projections(Q, dirs, c, mips):
     """Projections ``[g, M]`` float64 of the queries ``Q`` ``[g, d]`` on ``dirs[:, :d]``; with ``mips`` of
-    ``c q / |q|`` (a zero query projects to 0). See `icecache.indexes.dci.DCIIndex._query_proj`."""
+    ``c q / |q|`` (a zero query projects to 0). See `icecache.indexes.dci_tree.DCITree.query_proj`."""
     G, d = Q.shape
     M = dirs.shape[0]
     out = np.empty((G, M), np.float64)
@@ -424,14 +425,14 @@ def _sift_down(heap, i, k, page_best) -> None:
 
 
 @njit(nogil=True, cache=True)
-def _heapify(heap, k, page_best) -> None:
+def heapify_pages(heap, k, page_best) -> None:
     """Make ``heap[:k]`` a heap whose root is the best page (`_page_before`), in ``O(k)``."""
     for start in range(k // 2 - 1, -1, -1):
         _sift_down(heap, start, k, page_best)
 
 
 @njit(nogil=True, cache=True)
-def _pop_best(heap, k, page_best) -> int:
+def pop_best_page(heap, k, page_best) -> int:
     """Remove and return the best page of the heap ``heap[:k]`` (``k`` >= 1); ``heap[:k-1]`` stays a heap."""
     p = heap[0]
     heap[0] = heap[k - 1]
@@ -489,7 +490,7 @@ def rank_pages(
             page_best[p] = sc
     # Pages are taken best first until one does not fit, a handful of the ~100s scored: a heap of the scored
     # pages, popped one at a time (O(npg + taken log npg)), instead of sorting them all.
-    _heapify(page_list, npg, page_best)
+    heapify_pages(page_list, npg, page_best)
     total = 0
     k = 0
     left = npg
@@ -498,7 +499,7 @@ def rank_pages(
         sz = page_sizes[p]
         if total + sz > budget:
             return k
-        _pop_best(page_list, left, page_best)
+        pop_best_page(page_list, left, page_best)
         left -= 1
         total += sz
         out_pages[k] = p

@@ -18,9 +18,9 @@ page former and searcher of IceCache's semantic paging (arXiv 2604.10539).
   page's members (a breadth-first walk over the neighbour lists), up to ``page_size`` tokens. Pages that stay
   below half full are dissolved: their tokens join the page of their nearest neighbour that is at least half
   full and has room; the rest (the graph's outliers) are paged among themselves by the balanced recursive
-  split of `icecache.indexes.ivf.balanced_pages`.
+  split of `icecache.indexes.page_split.balanced_pages`.
 * **Insert.** The new key's nearest already-indexed neighbour (graph search, beam ``ef_construction``) gives
-  the page; a full page is split in two near-equal compact halves (`icecache.indexes.ivf.split_scores` over its
+  the page; a full page is split in two near-equal compact halves (`icecache.indexes.page_split.split_scores` over its
   ``page_size`` tokens plus the new one, via `PageTable.split`), the new token joining its half. Then the key
   is added to the graph.
 * **Selection** for a GQA group ``q`` ``[g, d]``: every head searches the graph for its
@@ -47,7 +47,8 @@ import torch
 from icecache.core.errors import InputError
 from icecache.core.pager import SemanticPager
 from icecache.core.transform import transform_keys, transform_queries
-from icecache.indexes.ivf import SplitRule, _check_float, _check_int, balanced_pages, split_scores
+from icecache.indexes.checks import check_float, check_int
+from icecache.indexes.page_split import SplitRule, balanced_pages, split_scores
 from icecache.indexes.registry import register_pager
 
 
@@ -108,13 +109,13 @@ class HNSWPager(SemanticPager):
         num_threads: int = 1,
     ) -> None:
         super().__init__(head_dim, page_size, seed, record_moves=record_moves)
-        _check_int("M", M, 2)
-        _check_int("ef_construction", ef_construction, 1)
-        _check_int("ef", ef, 1)
-        _check_float("search_factor", search_factor, 1.0)
-        _check_int("neighbours", neighbours, 1, allow_none=True)
-        _check_float("norm_tolerance", norm_tolerance, 0.0)
-        _check_int("num_threads", num_threads, 1)
+        check_int("M", M, 2)
+        check_int("ef_construction", ef_construction, 1)
+        check_int("ef", ef, 1)
+        check_float("search_factor", search_factor, 1.0)
+        check_int("neighbours", neighbours, 1, allow_none=True)
+        check_float("norm_tolerance", norm_tolerance, 0.0)
+        check_int("num_threads", num_threads, 1)
         if split not in ("2means", "pca"):
             raise InputError(f"split must be '2means' or 'pca', got {split!r}")
         self.M, self.ef_construction, self.ef, self.search_factor = M, ef_construction, ef, float(search_factor)
@@ -125,13 +126,13 @@ class HNSWPager(SemanticPager):
 
     def _reset(self) -> None:
         self._buf = np.zeros((0, self.head_dim), dtype=np.float32)  # capacity-doubling raw keys
-        self._c = 1.0
+        self._max_norm = 1.0
         self._index = None  # hnswlib.Index over the transformed keys, labels = positions
 
     # ------------------------------------------------------------------ graph
     def _transform(self, x: np.ndarray) -> np.ndarray:
-        """``transform_keys`` (paper form) with the current ``c``: ``[m, d]`` -> ``[m, d + 1]`` float32."""
-        return transform_keys(torch.from_numpy(x), self._c, form="paper").numpy()
+        """``transform_keys`` (paper form) with the current ``c`` (``_max_norm``): ``[m, d]`` -> ``[m, d + 1]`` float32."""
+        return transform_keys(torch.from_numpy(x), self._max_norm, form="paper").numpy()
 
     def _new_graph(self, tx: np.ndarray) -> None:
         """A fresh hnswlib index holding ``tx`` ``[n, d + 1]`` with labels ``0..n-1``."""
@@ -184,8 +185,8 @@ class HNSWPager(SemanticPager):
         x = keys.numpy()
         n = x.shape[0]
         self._store(x, 0)
-        self._c = math.sqrt(float(np.einsum("ij,ij->i", x, x).max())) if n else 1.0
-        self._c = self._c or 1.0
+        self._max_norm = math.sqrt(float(np.einsum("ij,ij->i", x, x).max())) if n else 1.0
+        self._max_norm = self._max_norm or 1.0
         tx = self._transform(x)
         self._new_graph(tx)
         if n:
@@ -249,9 +250,9 @@ class HNSWPager(SemanticPager):
         if self._index is None:  # insert without a build: start from an empty graph
             self._new_graph(np.zeros((0, self.head_dim + 1), dtype=np.float32))
         sq = float(np.einsum("ij,ij->i", x, x).max())
-        if sq > (self._c * (1.0 + self.norm_tolerance)) ** 2:  # norm drift: re-key the graph (pages kept)
+        if sq > (self._max_norm * (1.0 + self.norm_tolerance)) ** 2:  # norm drift: re-key the graph (pages kept)
             n_old = start
-            self._c = math.sqrt(sq)
+            self._max_norm = math.sqrt(sq)
             self._new_graph(self._transform(self._buf[:n_old]))
             self.num_rebuilds += 1
         tx = self._transform(x)

@@ -45,7 +45,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterator, Literal
+from collections.abc import Iterator
+from typing import Literal
 
 import numpy as np
 import torch
@@ -53,82 +54,11 @@ import torch
 from icecache.core.errors import InputError
 from icecache.core.pager import SemanticPager
 from icecache.core.transform import transform_keys
+from icecache.indexes.checks import check_float, check_int
+from icecache.indexes.page_split import SplitRule, balanced_pages, split_scores
 from icecache.indexes.registry import register_pager
 
-SplitRule = Literal["2means", "pca"]
 ProbeRule = Literal["union", "nearest"]
-
-
-# ---------------------------------------------------------------------------------------------- helpers
-def _check_int(name: str, value: object, lo: int, *, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < lo:
-        raise InputError(f"{name} must be an int >= {lo}{' or None' if allow_none else ''}, got {value!r}")
-
-
-def _check_float(name: str, value: object, lo: float, *, allow_none: bool = False, lo_open: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    ok = isinstance(value, (int, float, np.floating)) and not isinstance(value, bool) and math.isfinite(float(value))
-    if ok:
-        ok = float(value) > lo if lo_open else float(value) >= lo
-    if not ok:
-        rel = ">" if lo_open else ">="
-        raise InputError(f"{name} must be a finite number {rel} {lo}{' or None' if allow_none else ''}, got {value!r}")
-
-
-def split_scores(x: np.ndarray, rule: SplitRule) -> np.ndarray:
-    """A 1-D score per row of ``x`` ``[m, D]`` such that cutting the rows in score order separates two
-    compact groups. Deterministic (no random numbers)."""
-    mu = x.mean(0)
-    xc = x - mu
-    if rule == "pca":
-        cov = xc.T.astype(np.float64) @ xc.astype(np.float64)
-        _, vecs = np.linalg.eigh(cov)
-        return xc @ vecs[:, -1].astype(x.dtype)
-    # 2-means from a deterministic farthest-point start: a = farthest from the mean, b = farthest from a.
-    sq = (xc * xc).sum(1)
-    a = x[int(np.argmax(sq))]
-    b = x[int(np.argmax(((x - a) ** 2).sum(1)))]
-    for _ in range(4):
-        # |x - a|^2 - |x - b|^2 = 2 x.(b - a) + |a|^2 - |b|^2: < 0 means closer to a.
-        side = x @ (b - a) * 2.0 + (a @ a - b @ b) < 0
-        if side.all() or not side.any():
-            break
-        a, b = x[side].mean(0), x[~side].mean(0)
-    return x @ (b - a)
-
-
-def balanced_pages(x: np.ndarray, positions: np.ndarray, page_size: int, rule: SplitRule) -> list[np.ndarray]:
-    """Cut a list of ``m`` tokens into ``ceil(m / page_size)`` pages of near-equal size, recursively.
-
-    Parameters
-    ----------
-    x : float array ``[m, D]``
-        The tokens' (transformed) keys.
-    positions : int64 array ``[m]``
-        Their positions.
-    page_size : int
-        Capacity P.
-    rule : {"2means", "pca"}
-        How each 2-way cut orders the tokens (see `split_scores`).
-
-    Returns
-    -------
-    list of int64 arrays
-        The pages' positions; every page holds between ``floor`` and ``ceil`` of ``m / num_pages``
-        tokens, up to rounding at each level of the recursion, and at most ``page_size``.
-    """
-    m = len(positions)
-    num_pages = -(-m // page_size)
-    if num_pages <= 1:
-        return [positions] if m else []
-    left_pages = num_pages // 2
-    left = -(-m * left_pages // num_pages)  # ceil(m * left_pages / num_pages) <= left_pages * P
-    order = np.argsort(split_scores(x, rule), kind="stable")
-    a, b = order[:left], order[left:]
-    return balanced_pages(x[a], positions[a], page_size, rule) + balanced_pages(x[b], positions[b], page_size, rule)
 
 
 def faiss_gpu_available() -> bool:
@@ -141,7 +71,7 @@ def faiss_gpu_available() -> bool:
         return False
     try:  # pragma: no cover - needs a GPU build of faiss
         return bool(torch.cuda.is_available() and faiss.get_num_gpus() > 0)
-    except Exception:  # pragma: no cover
+    except Exception:  # pragma: no cover  # noqa: BLE001 - any failure to query the GPUs means no GPU
         return False
 
 
@@ -232,14 +162,14 @@ class IVFPager(SemanticPager):
         use_gpu: bool | None = None,
     ) -> None:
         super().__init__(head_dim, page_size, seed, record_moves=record_moves)
-        _check_int("nlist", nlist, 1, allow_none=True)
-        _check_int("tokens_per_list", tokens_per_list, 1)
-        _check_int("nprobe", nprobe, 1)
-        _check_float("probe_factor", probe_factor, 1.0)
-        _check_int("train_iters", train_iters, 1)
-        _check_float("retrain_fraction", retrain_fraction, 0.0, allow_none=True, lo_open=True)
-        _check_float("norm_tolerance", norm_tolerance, 0.0)
-        _check_int("num_threads", num_threads, 1)
+        check_int("nlist", nlist, 1, allow_none=True)
+        check_int("tokens_per_list", tokens_per_list, 1)
+        check_int("nprobe", nprobe, 1)
+        check_float("probe_factor", probe_factor, 1.0)
+        check_int("train_iters", train_iters, 1)
+        check_float("retrain_fraction", retrain_fraction, 0.0, allow_none=True, lo_open=True)
+        check_float("norm_tolerance", norm_tolerance, 0.0)
+        check_int("num_threads", num_threads, 1)
         if split not in ("2means", "pca"):
             raise InputError(f"split must be '2means' or 'pca', got {split!r}")
         if probe_rule not in ("union", "nearest"):
@@ -259,7 +189,7 @@ class IVFPager(SemanticPager):
 
     def _reset(self) -> None:
         self._buf = np.zeros((0, self.head_dim), dtype=np.float32)  # capacity-doubling keys; rows [0, n) live
-        self._c = 1.0  # transform scale: largest key norm at the last training
+        self._max_norm = 1.0  # transform scale: largest key norm at the last training
         self._centroids = np.zeros((0, self.head_dim + 1), dtype=np.float32)  # [nlist, d + 1]
         self._cq = np.zeros((0, self.head_dim), dtype=np.float32)  # centroids' first d coordinates, [nlist, d]
         self._csq = np.zeros(0, dtype=np.float32)  # squared centroid norms [nlist]
@@ -303,7 +233,7 @@ class IVFPager(SemanticPager):
         sq = float(np.einsum("ij,ij->i", x, x).max())
         if (
             self.num_lists == 0
-            or sq > (self._c * (1.0 + self.norm_tolerance)) ** 2
+            or sq > (self._max_norm * (1.0 + self.norm_tolerance)) ** 2
             or (self.retrain_fraction is not None and self._since_train + m > self.retrain_fraction * self._trained_n)
         ):
             self._retrain(n, first_new=start)
@@ -324,7 +254,7 @@ class IVFPager(SemanticPager):
 
     def _transform(self, x: np.ndarray) -> np.ndarray:
         """``transform_keys`` (paper form) with the current ``c``: ``[m, d]`` -> ``[m, d + 1]`` float32."""
-        return transform_keys(torch.from_numpy(x), self._c, form="paper").numpy()
+        return transform_keys(torch.from_numpy(x), self._max_norm, form="paper").numpy()
 
     def _assign(self, tx: np.ndarray) -> np.ndarray:
         """Nearest centroid (L2, transformed space) of each row of ``tx`` ``[m, d + 1]``; ties: lower id."""
@@ -349,7 +279,7 @@ class IVFPager(SemanticPager):
     def _retrain(self, n: int, first_new: int) -> None:
         """Re-cluster keys ``0..n-1`` and re-page them; positions ``>= first_new`` are not paged yet."""
         x = self._buf[:n]
-        self._c = math.sqrt(float(np.einsum("ij,ij->i", x, x).max())) or 1.0
+        self._max_norm = math.sqrt(float(np.einsum("ij,ij->i", x, x).max())) or 1.0
         tx = self._transform(x)
         k = min(self.nlist if self.nlist is not None else -(-n // self.tokens_per_list), n)
         self._centroids = self._kmeans(tx, k)
@@ -535,4 +465,4 @@ class IVFPager(SemanticPager):
         return int(b)
 
 
-__all__ = ["IVFPager", "balanced_pages", "split_scores", "faiss_gpu_available"]
+__all__ = ["IVFPager", "faiss_gpu_available", "faiss_threads"]

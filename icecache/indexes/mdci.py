@@ -11,7 +11,6 @@ score among its scored tokens; pages are taken best first under the budget rule.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -20,7 +19,7 @@ import torch
 from icecache.core.errors import ConfigError
 from icecache.core.pager import SemanticPager
 from icecache.indexes.dci import DCIIndex, DCIParams, SearchConfig
-from icecache.indexes.registry import register_pager
+from icecache.indexes.registry import register_pager, unknown_parameter_error
 
 
 @register_pager("mdci")
@@ -39,45 +38,56 @@ class MDCIPager(SemanticPager):
         Seed of the random projection directions (levels are deterministic).
     record_moves : bool
         Journal page layout changes in ``self.table`` for a host store.
-    preset : {"wide", "icecache", "dci-knn"}
-        Starting point of the parameters below (see `DCIParams.preset`); explicit arguments override it.
-        ``"wide"`` (default) differs from ``"icecache"`` in the query only: ``prop_to_retrieve`` 1.0 and the
-        field of view ``min(max(7.5e-3 n, 60), 200)``. Measured at 8k real keys (``experiments/bench_index/README.md``): attention
+    params : DCIParams or str, optional
+        The index parameters, or the name of a preset (see `DCIParams.preset`); default ``"wide"``.
+        ``"wide"`` differs from ``"icecache"`` in the query only: ``prop_to_retrieve`` 1.0 and the field of
+        view ``min(max(7.5e-3 n, 60), 200)``. Measured at 8k real keys (``experiments/bench_index/README.md``): attention
         recall@256 0.892 vs 0.886 (SmolLM2) and 0.678 vs 0.641 (Gemma-3), three quarters of the way to the
         own-pages oracle, for 1.5x / 2.8x the select time; Gemma-3's needle at 8k and 16k and SmolLM2's
         needles found where ``"icecache"`` misses them.
-    num_comp_indices, num_simp_indices : int, optional
-        L composite indices of m simple indices (IceCache: 1 x 1; dci-knn: 2 x 7).
-    p0, p1 : float, optional
-        Promotion probabilities of the level schedule (level 0 -> 1, and above): 0.03 and 0.2.
-    field_of_view : int, optional
-        Query beam width F (nodes expanded per level). Default ``min(max(int(fov_scale * n), fov_min),
-        fov_max)`` with ``n`` the indexed tokens ("wide": ``min(max(int(7.5e-3 n), 60), 200)``; "icecache":
-        ``max(int(1.5e-3 n), 30)``, no cap).
-    fov_scale, fov_min, fov_max : float, int, int, optional
-        The default field-of-view rule. The wide preset's cap of 200 keeps select time sublinear in n: at
-        128k real keys 3.5x faster than exact scoring with 0.97 of the uncapped recall (which is 0.82x of
-        exact's speed; ``experiments/bench_index/scaling_*``).
-    prop_to_retrieve : float, optional
-        Query retrieve limit as a share of each searched cluster ("wide": 1.0; "icecache": 0.8).
-    construction_field_of_view : int, optional
-        Beam width of parent searches that do not use brute force (30).
-    construction_prop_to_retrieve : float, optional
-        Retrieve limit of those parent searches (1.0: exhaustive inside each cluster).
-    brute_force_threshold : int, optional
-        Exact parent search for inserted tokens when the level above has at most this many nodes (3000).
-    bulk_brute_force_threshold : int, optional
-        The same for `build` and rekeys (20000; blocked BLAS, faster than per-token descents here).
-    page_score : {"max", "mass"}, optional
-        Page ranking: the best scored token (``"max"``, IceCache) or the page's estimated attention mass
-        over its scored tokens (``"mass"``); see `DCIParams`.
-    score_scale : float, optional
-        Softmax temperature of ``"mass"`` (default ``1 / sqrt(head_dim)``).
-    group_beam : {"shared", "per-query"}, optional
-        One beam for the GQA group ranked by ``max_g q.k`` (default) or one per query head; see `DCIParams`.
-    page_split : {"projection", "2means"}, optional
-        Pages as contiguous runs of the projection order (``"projection"``, IceCache/MD) or semantic
-        2-means groups inside each cluster (``"2means"``); see `DCIParams`.
+    preset : {"wide", "icecache", "dci-knn"}, optional
+        The same as ``params=<name>``: the spelling of ``IceCacheConfig.index_params`` and ``--index-params``
+        (``mdci[preset=icecache]``). Give ``params`` or ``preset``, not both.
+    **overrides
+        Single knobs changed on top of ``params`` (`DCIParams.with_overrides`; ``None`` keeps the value; an
+        unknown name raises `ConfigError` listing them all). The usual ones:
+
+        num_comp_indices, num_simp_indices : int
+            L composite indices of m simple indices (IceCache: 1 x 1; dci-knn: 2 x 7).
+        p0, p1 : float
+            Promotion probabilities of the level schedule (level 0 -> 1, and above): 0.03 and 0.2.
+        field_of_view : int
+            Query beam width F (nodes expanded per level). Default ``min(max(int(fov_scale * n), fov_min),
+            fov_max)`` with ``n`` the indexed tokens ("wide": ``min(max(int(7.5e-3 n), 60), 200)``; "icecache":
+            ``max(int(1.5e-3 n), 30)``, no cap).
+        fov_scale, fov_min, fov_max : float, int, int
+            The default field-of-view rule. The wide preset's cap of 200 keeps select time sublinear in n: at
+            128k real keys 3.5x faster than exact scoring with 0.97 of the uncapped recall (which is 0.82x of
+            exact's speed; ``experiments/bench_index/scaling_*``).
+        prop_to_retrieve : float
+            Query retrieve limit as a share of each searched cluster ("wide": 1.0; "icecache": 0.8). The other
+            query limits have their `SearchConfig` names (``num_to_visit``, ``prop_to_visit``, ``num_to_retrieve``).
+        construction_field_of_view : int
+            Beam width of parent searches that do not use brute force (30).
+        construction_prop_to_retrieve : float
+            Retrieve limit of those parent searches (1.0: exhaustive inside each cluster); the other
+            construction limits are ``construction_`` + their `SearchConfig` name.
+        brute_force_threshold : int
+            Exact parent search for inserted tokens when the level above has at most this many nodes (3000).
+        bulk_brute_force_threshold : int
+            The same for `build` and rekeys (20000; blocked BLAS, faster than per-token descents here).
+        page_score : {"max", "mass"}
+            Page ranking: the best scored token (``"max"``, IceCache) or the page's estimated attention mass
+            over its scored tokens (``"mass"``); see `DCIParams`.
+        score_scale : float
+            Softmax temperature of ``"mass"`` (default ``1 / sqrt(head_dim)``).
+        group_beam : {"shared", "per-query"}
+            One beam for the GQA group ranked by ``max_g q.k`` (default) or one per query head; see `DCIParams`.
+        page_split : {"projection", "2means"}
+            Pages as contiguous runs of the projection order (``"projection"``, IceCache/MD) or semantic
+            2-means groups inside each cluster (``"2means"``); see `DCIParams`.
+
+        Also ``adopt_margin`` and ``rekey_headroom`` (see `DCIParams`).
 
     Notes
     -----
@@ -87,6 +97,14 @@ class MDCIPager(SemanticPager):
     instead of gathering one scattered row per scored token (84 selects at 8k on SmolLM2: 35 -> 22 ms
     round robin, `experiments/bench_runtime/bench_runtime.md`); not the copy of the keys by token id that the
     construction uses (that is the KV itself).
+
+    Examples
+    --------
+    These three pagers have the same parameters, so they select the same pages::
+
+        MDCIPager(64, params=DCIParams.preset("icecache").with_overrides(field_of_view=30))
+        MDCIPager(64, preset="icecache", field_of_view=30)
+        make_pager("mdci", head_dim=64, preset="icecache", field_of_view=30)
     """
 
     def __init__(
@@ -96,50 +114,23 @@ class MDCIPager(SemanticPager):
         seed: int = 0,
         *,
         record_moves: bool = False,
-        preset: str = "wide",
-        num_comp_indices: int | None = None,
-        num_simp_indices: int | None = None,
-        p0: float | None = None,
-        p1: float | None = None,
-        field_of_view: int | None = None,
-        fov_scale: float | None = None,
-        fov_min: int | None = None,
-        fov_max: int | None = None,
-        prop_to_retrieve: float | None = None,
-        construction_field_of_view: int | None = None,
-        construction_prop_to_retrieve: float | None = None,
-        brute_force_threshold: int | None = None,
-        bulk_brute_force_threshold: int | None = None,
-        page_score: str | None = None,
-        score_scale: float | None = None,
-        page_split: str | None = None,
-        group_beam: str | None = None,
+        params: DCIParams | str | None = None,
+        preset: str | None = None,
+        **overrides: Any,
     ) -> None:
+        unknown = [name for name in overrides if name not in DCIParams.override_names()]
+        if unknown:
+            raise unknown_parameter_error("mdci", unknown, ("record_moves", "params", "preset", *DCIParams.override_names()))
         super().__init__(head_dim, page_size, seed, record_moves=record_moves)
-        params = DCIParams.preset(preset)
-        top: dict[str, Any] = {
-            k: v
-            for k, v in dict(
-                num_comp_indices=num_comp_indices, num_simp_indices=num_simp_indices, p0=p0, p1=p1,
-                fov_scale=fov_scale, fov_min=fov_min, fov_max=fov_max, brute_force_threshold=brute_force_threshold,
-                bulk_brute_force_threshold=bulk_brute_force_threshold,
-                page_score=page_score, score_scale=score_scale, page_split=page_split,
-                group_beam=group_beam,
-            ).items()
-            if v is not None
-        }
-        query: dict[str, Any] = {k: v for k, v in dict(field_of_view=field_of_view, prop_to_retrieve=prop_to_retrieve).items() if v is not None}
-        cons: dict[str, Any] = {
-            k: v
-            for k, v in dict(field_of_view=construction_field_of_view, prop_to_retrieve=construction_prop_to_retrieve).items()
-            if v is not None
-        }
-        try:
-            params = replace(params, query=replace(params.query, **query), construction=replace(params.construction, **cons), **top)
-        except TypeError as exc:  # pragma: no cover - all names above are fields
-            raise ConfigError(str(exc)) from None
-        self.params = params
-        self.index = DCIIndex(head_dim, metric="mips", params=params, seed=seed, table=self.table)
+        if params is not None and preset is not None:
+            raise ConfigError(f"mdci: give params or preset, not both (got params={params!r}, preset={preset!r})")
+        base = params if params is not None else preset if preset is not None else "wide"
+        if isinstance(base, str):
+            base = DCIParams.preset(base)
+        elif not isinstance(base, DCIParams):
+            raise ConfigError(f"mdci: params must be a DCIParams or a preset name, got {type(base).__name__}")
+        self.params = base.with_overrides(**overrides)
+        self.index = DCIIndex(head_dim, metric="mips", params=self.params, seed=seed, table=self.table)
 
     def _build(self, keys: torch.Tensor) -> None:
         self.index.build(keys.numpy())
@@ -156,4 +147,4 @@ class MDCIPager(SemanticPager):
         return self.index.index_bytes()
 
 
-__all__ = ["MDCIPager", "DCIParams", "SearchConfig"]
+__all__ = ["DCIParams", "MDCIPager", "SearchConfig"]

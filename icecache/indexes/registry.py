@@ -10,7 +10,8 @@ from __future__ import annotations
 import importlib
 import inspect
 import pkgutil
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 from icecache.core.errors import ConfigError, UnknownNameError
 from icecache.core.pager import SemanticPager
@@ -66,9 +67,16 @@ def make_pager(name: str, head_dim: int, page_size: int = 16, seed: int = 0, **p
     `ConfigError` listing the backend's parameters)."""
     cls = get_pager_class(name)
     accepted = inspect.signature(cls.__init__).parameters
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+    if not any(param.kind is inspect.Parameter.VAR_KEYWORD for param in accepted.values()):  # else the pager checks
         unknown = sorted(set(params) - set(accepted))
         if unknown:
-            known = [k for k, p in accepted.items() if k not in ("self", "head_dim", "page_size", "seed") and p.kind is p.KEYWORD_ONLY]
-            raise ConfigError(f"pager {name!r} has no parameter {', '.join(map(repr, unknown))}; its parameters: {', '.join(known)}")
+            known = [key for key, param in accepted.items()
+                     if key not in ("self", "head_dim", "page_size", "seed") and param.kind is param.KEYWORD_ONLY]
+            raise unknown_parameter_error(name, unknown, known)
     return cls(head_dim=head_dim, page_size=page_size, seed=seed, **params)
+
+
+def unknown_parameter_error(pager: str, unknown: Iterable[str], known: Iterable[str]) -> ConfigError:
+    """The one-line `ConfigError` for parameters a pager does not take, listing the ones it does. Pagers that
+    take ``**overrides`` (so `make_pager` cannot check their names) raise it themselves."""
+    return ConfigError(f"pager {pager!r} has no parameter {', '.join(map(repr, unknown))}; its parameters: {', '.join(known)}")
