@@ -46,6 +46,13 @@ def check_selection(pager, sel, budget):
         assert torch.equal(got, pages[pid])
     s = sel.scores
     assert (s[:-1] >= s[1:]).all(), "pages are not in rank order"
+    # the budget rule fills the budget: either every page is selected, or selection stopped at a page that
+    # did not fit (some unselected page would overflow the budget); a pager that returns too little fails
+    chosen = set(sel.pages.tolist())
+    rest = [len(p) for pid, p in pages.items() if pid not in chosen]
+    assert not rest or sel.num_tokens + max(rest) > budget, (
+        f"selection of {sel.num_tokens} tokens stops short of budget {budget}: unselected pages of sizes {sorted(rest)[:8]} all fit"
+    )
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -213,6 +220,21 @@ def test_sequential_bound_is_an_upper_bound():
         assert float(s[pos].max()) <= float(sel.scores[i]) + 1e-5
 
 
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_top_k_stable_partition_path(data):
+    """Sizes where k is under a quarter of n, so the partition path (not the argsort fallback) runs, with
+    heavy ties around the k-th value."""
+    from icecache.core.pager import top_k_stable
+
+    n = data.draw(st.integers(8, 400))
+    k = data.draw(st.integers(1, max(1, (n - 1) // 4)))
+    values = data.draw(st.lists(st.sampled_from([-np.inf, -1.0, 0.0, 0.5, 2.0]) | st.floats(-3, 3, width=32), min_size=n, max_size=n))
+    s = np.asarray(values, np.float32)
+    assert 4 * k < n
+    assert np.array_equal(top_k_stable(s, k), np.argsort(-s, kind="stable")[:k])
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     scores=st.lists(st.sampled_from([-np.inf, -2.0, -1.0, 0.0, 0.5, 1.0, 3.0]) | st.floats(-10, 10, width=32), min_size=0, max_size=300),
@@ -225,3 +247,32 @@ def test_top_k_stable_is_the_stable_argsort_prefix(scores, k):
     got = top_k_stable(s, k)
     assert got.dtype == np.int64 or got.size == 0
     assert np.array_equal(got, np.argsort(-s, kind="stable")[: max(0, min(k, s.size))])
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 300), g=st.integers(1, 4), budget=st.integers(1, 80), seed=st.integers(0, 10_000))
+def test_pq_selection_equals_brute_force_over_its_own_codes(n, g, budget, seed):
+    """PQCache's GQA aggregation: every query head's softmax over the approximate logits (q . decoded key /
+    sqrt(d)), summed over the group; the top-B tokens. Reference: decode every key from its codes and
+    score with plain torch ops (no lookup tables)."""
+    import math
+
+    gen = torch.Generator().manual_seed(seed)
+    d = 8
+    pager = make_pager("pq", head_dim=d, page_size=16, seed=seed, num_subspaces=2, bits=4)
+    keys = torch.randn(n, d, generator=gen)
+    pager.build(keys)
+    q = torch.randn(g, d, generator=gen)
+    codes = torch.from_numpy(pager._codes)  # [n, M]
+    decoded = torch.cat([pager._centroids[m][codes[:, m]] for m in range(codes.shape[1])], dim=1)  # [n, d]
+    if n < 16:  # fewer keys than centroids: every key is its own code, so the decoded keys are the keys
+        torch.testing.assert_close(decoded, keys)
+    probs = torch.softmax((q @ decoded.T) / math.sqrt(d), dim=-1).sum(0).double()  # [n]
+    sel = pager.select(q, budget)
+    k = min(budget, n)
+    chosen = sel.positions.numpy()
+    assert len(chosen) == k
+    kth = np.sort(probs.numpy())[::-1][k - 1]
+    tol = 1e-6
+    assert (probs.numpy()[chosen] >= kth - tol).all()  # every chosen token is among the top k (ties allowed)
+    assert (probs.numpy() > kth + tol).sum() <= k and set(np.flatnonzero(probs.numpy() > kth + tol)) <= set(chosen.tolist())
