@@ -9,7 +9,9 @@ import pytest
 from icecache.core.errors import ConfigError
 from icecache.sim.hardware import get_hardware, make_costs
 from icecache.sim.hitrate import HitStats
-from icecache.sim.model import SimConfig, device_kv_bytes_by_role, layer_roles, plan_prefill, simulate
+from icecache.sim.config import SimConfig, layer_roles
+from icecache.sim.model import device_kv_bytes_by_role, simulate
+from icecache.sim.plans import plan_prefill
 from icecache.sim.shapes import ModelShape, get_shape, register_shape, shape_from_config, shape_from_dict, shape_to_dict
 from icecache.sim.testing import synthetic_profile
 

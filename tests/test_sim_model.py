@@ -9,30 +9,20 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from icecache.core.errors import ConfigError, UnknownNameError
-from icecache.sim.costs import flowline_makespan_s, pool_makespan_s
+from icecache.sim.closed_forms import flowline_makespan_s, pool_makespan_s
+from icecache.sim.config import SimConfig
+from icecache.sim.engine import STAGES, simulate_request, simulate_step
 from icecache.sim.hardware import get_hardware, make_costs
 from icecache.sim.hitrate import HitStats, synthetic_trace
-from icecache.sim.model import (
-    STAGES,
-    LayerPlan,
-    PrefillLayer,
-    PrefillPlan,
-    SimConfig,
-    StepPlan,
-    _groups,
-    component_plan,
-    parse_tokens,
-    simulate,
-    simulate_request,
-    simulate_step,
-)
+from icecache.sim.model import simulate
+from icecache.sim.plans import LayerPlan, PrefillLayer, PrefillPlan, StepPlan, component_plan, reuse_groups
 from icecache.sim.testing import synthetic_profile
 
 times = st.floats(min_value=1e-5, max_value=1e-2, allow_nan=False)
 
 
 def _sparse_plan(n_layers: int, t: dict, jobs: int, threads: int, shared: bool = False, reuse: int = 1, prefetch: bool = True) -> StepPlan:
-    groups, index_of = _groups(range(n_layers), reuse, "icecache-r" if reuse > 1 else "icecache")
+    groups, index_of = reuse_groups(range(n_layers), reuse, "icecache-r" if reuse > 1 else "icecache")
     layers = tuple(
         LayerPlan("sparse", selects=index_of[l] == l, compute_s=t["compute"], attend_s=t["attend"],
                   insert_jobs=jobs if index_of[l] == l else 0, insert_job_s=t["insert"],
@@ -242,12 +232,6 @@ def test_bad_configs_raise_clear_errors(kw, err):
     assert any(str(v) in str(exc.value) for v in kw.values()) or "budget" in str(exc.value)
 
 
-def test_parse_tokens():
-    assert parse_tokens("36k") == 36_000 and parse_tokens("1m") == 1_000_000 and parse_tokens("4096") == 4096
-    with pytest.raises(ConfigError):
-        parse_tokens("lots")
-
-
 def test_stage_names_are_the_reported_ones(profile):
     res = simulate(SimConfig("smollm2", "this-machine", "quest", 4000, budget=128, threads=2), _costs("this-machine", profile))
     assert set(res.stages) == set(STAGES)
@@ -257,7 +241,7 @@ def test_stage_names_are_the_reported_ones(profile):
 
 # ------------------------------------------------------------------------------ the runtime implementation
 def _runtime_plan(n_layers: int, t: dict, heads: int, threads: int, shared: bool, share: float = 1.0) -> StepPlan:
-    groups, index_of = _groups(range(n_layers), 1, "icecache")
+    groups, index_of = reuse_groups(range(n_layers), 1, "icecache")
     layers = tuple(
         LayerPlan("sparse", selects=True, compute_s=t["compute"], attend_s=t["attend"], insert_jobs=heads, insert_job_s=t["insert"],
                   select_jobs=heads, select_job_s=t["select"], append_s=t["append"], other_s=t["bookkeep"], overhead_s=t["overhead"],
@@ -373,8 +357,9 @@ def test_measured_inline_prefill_jobs_replace_the_pool_model_on_a_shared_machine
     the caller, so TTFT is the serial sum of compute, those and the LM head; without it, unchanged."""
     import dataclasses
 
-    from icecache.sim.costs import MeasuredCosts, Predictor
-    from icecache.sim.model import plan_prefill
+    from icecache.sim.costs import MeasuredCosts
+    from icecache.sim.plans import plan_prefill
+    from icecache.sim.predictors import Predictor
     from icecache.sim.testing import synthetic_profile
 
     base = synthetic_profile()

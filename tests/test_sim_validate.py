@@ -8,9 +8,9 @@ import math
 import pytest
 
 from icecache.core.errors import ConfigError, InputError
-from icecache.sim.__main__ import main
-from icecache.sim.model import SimConfig
-from icecache.sim.sweep import Simulator
+from icecache.sim.cli import main
+from icecache.sim.config import SimConfig
+from icecache.sim.simulator import Simulator
 from icecache.sim.testing import synthetic_profile
 from icecache.sim.validate import (
     MeasuredRun,

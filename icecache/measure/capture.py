@@ -208,7 +208,7 @@ def capture_kv(
     """
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"input_ids must have shape [1, T], got {list(input_ids.shape)}")
-    wanted = None if layers is None else {int(l) for l in layers}
+    wanted = None if layers is None else {int(layer) for layer in layers}
     run_layers = None if (wanted is None or keep_cache) else max(wanted) + 1
     T = input_ids.shape[1]
     pos = torch.arange(position_offset, position_offset + T).unsqueeze(0)

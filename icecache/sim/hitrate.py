@@ -36,7 +36,7 @@ from typing import Any, Iterable, Protocol, Sequence
 import numpy as np
 
 from icecache.core.errors import ConfigError, InputError
-from icecache.sim.costs import ExtrapolationError, ExtrapolationWarning, check_policy
+from icecache.sim.predictors import ExtrapolationError, ExtrapolationWarning, check_policy
 
 RECORD_FIELDS: tuple[str, ...] = ("step", "layer", "kv_head", "pages", "tokens", "new_pages", "bytes")
 QUANTITIES: tuple[str, ...] = ("page_hit_rate", "fill", "budget_use")
@@ -233,7 +233,7 @@ def trace_step_loads(trace: Trace) -> dict[int, dict[int, LayerLoad]]:
         a[4] += 1
         a[5] += int(r["bytes"]) > 0
     return {
-        s: {l: LayerLoad(int(a[0]), int(a[1]), int(a[2]), a[3] / a[4], int(a[5])) for l, a in layers.items()}
+        s: {layer: LayerLoad(int(a[0]), int(a[1]), int(a[2]), a[3] / a[4], int(a[5])) for layer, a in layers.items()}
         for s, layers in acc.items()
     }
 

@@ -138,15 +138,15 @@ def _quality_rows(model: Any, ids: torch.Tensor, args: argparse.Namespace, layer
     builds: dict[str, list[float]] = {}
     selects: dict[tuple[str, int], list[float]] = {}  # per (method, budget): per-head mean select time
     pages: dict[str, list[int]] = {}
-    heads = [(l, h) for l in layers for h in range(n_kv)]
-    for l, h in tqdm(heads, desc="part A: layers x KV heads", unit="head", file=sys.stderr):
-        K = cap.keys[l][h]
-        V = cap.values[l][h]
-        Q = cap.queries[l][h * rep : (h + 1) * rep].transpose(0, 1).contiguous()  # [S, g, d]
+    heads = [(layer_idx, h) for layer_idx in layers for h in range(n_kv)]
+    for layer_idx, h in tqdm(heads, desc="part A: layers x KV heads", unit="head", file=sys.stderr):
+        K = cap.keys[layer_idx][h]
+        V = cap.values[layer_idx][h]
+        Q = cap.queries[layer_idx][h * rep : (h + 1) * rep].transpose(0, 1).contiguous()  # [S, g, d]
         r = evaluate_head(K, V, Q, budgets=budgets, page_size=args.page_size, sink=args.sink, window=args.window,
                           seed=args.seed, variants=variants, with_kmeans=not args.no_kmeans)
         for row in r.rows:
-            row.update(layer=l, head=h)
+            row.update(layer=layer_idx, head=h)
             all_rows.append(row)
         for k, v in r.build_s.items():
             builds.setdefault(k, []).append(v)
@@ -170,15 +170,15 @@ def run_quality(model: Any, ids: torch.Tensor, args: argparse.Namespace, layers:
     for m in methods:
         for b in budgets:
             layer_means = {}
-            for l in layers:
-                sel = [r for r in all_rows if r["method"] == m and r["budget"] == b and r["layer"] == l]
-                row = {"method": m, "budget": b, "layer": l}
+            for layer in layers:
+                sel = [r for r in all_rows if r["method"] == m and r["budget"] == b and r["layer"] == layer]
+                row = {"method": m, "budget": b, "layer": layer}
                 for key in ("hit_rate", "attention_recall", "output_error", "tokens"):
                     row[key] = float(np.mean([r[key] for r in sel]))
                 per_layer.append(row)
-                layer_means[l] = row
+                layer_means[layer] = row
             summary_quality[(m, b)] = {
-                key: float(np.mean([layer_means[l][key] for l in layers]))
+                key: float(np.mean([layer_means[layer][key] for layer in layers]))
                 for key in ("hit_rate", "attention_recall", "output_error", "tokens")
             }
     res.csv_out["quality_per_layer.csv"] = per_layer
@@ -192,8 +192,8 @@ def run_quality(model: Any, ids: torch.Tensor, args: argparse.Namespace, layers:
     # Per-layer recall at the middle budget.
     bmid = 128 if 128 in budgets else budgets[len(budgets) // 2]
     report.append(f"\nAttention recall per layer at budget {bmid}:\n")
-    report.append(md_table(["layer"] + methods, [[l] + [next(r["attention_recall"] for r in per_layer if r["method"] == m and r["budget"] == bmid
-                                                             and r["layer"] == l) for m in methods] for l in layers]))
+    report.append(md_table(["layer"] + methods, [[layer] + [next(r["attention_recall"] for r in per_layer if r["method"] == m and r["budget"] == bmid
+                                                             and r["layer"] == layer) for m in methods] for layer in layers]))
     # Timing.
     trows = []
     n_groups = len(layers) * n_kv
@@ -279,16 +279,16 @@ def _capture_windows(model: Any, ids_all: torch.Tensor, args: argparse.Namespace
     from icecache.measure.capture import capture_kv
 
     W = WINDOW_TOKENS
-    keys_by_layer: dict[int, list[torch.Tensor]] = {l: [] for l in layers}
+    keys_by_layer: dict[int, list[torch.Tensor]] = {layer: [] for layer in layers}
     q_by_window: list[dict[int, torch.Tensor]] = []
     cap_s = 0.0
     for w in tqdm(range(nwin), desc="part B: capturing 8k windows", unit="window", file=sys.stderr):
         cap = capture_kv(model, ids_all[:, w * W : (w + 1) * W], layers=layers, last_queries=args.scaling_queries, position_offset=w * W)
         cap_s += cap.seconds
-        for l in layers:
-            keys_by_layer[l].append(cap.keys[l])
-        q_by_window.append({l: cap.queries[l] for l in layers})
-    return {l: torch.cat(v, dim=1) for l, v in keys_by_layer.items()}, q_by_window, cap_s
+        for layer in layers:
+            keys_by_layer[layer].append(cap.keys[layer])
+        q_by_window.append({layer: cap.queries[layer] for layer in layers})
+    return {layer: torch.cat(v, dim=1) for layer, v in keys_by_layer.items()}, q_by_window, cap_s
 
 
 def run_scaling(model: Any, ids_all: torch.Tensor, args: argparse.Namespace, sizes: Sequence[int], mdci_params: dict[str, Any],
@@ -308,15 +308,15 @@ def run_scaling(model: Any, ids_all: torch.Tensor, args: argparse.Namespace, siz
     nwin = max(sizes) // WINDOW_TOKENS
     keys_cat, q_by_window, cap_s = _capture_windows(model, ids_all, args, s_layers, nwin)
     scaling_rows = res.scaling_rows
-    pts = [(n, l, h) for n in sizes for l in s_layers for h in range(n_kv)]
-    for n, l, h in tqdm(pts, desc="part B: scaling points", unit="point", file=sys.stderr):
+    pts = [(n, layer_idx, h) for n in sizes for layer_idx in s_layers for h in range(n_kv)]
+    for n, layer_idx, h in tqdm(pts, desc="part B: scaling points", unit="point", file=sys.stderr):
         w = n // WINDOW_TOKENS - 1
-        Qw = q_by_window[w][l][h * rep : (h + 1) * rep].transpose(0, 1).contiguous()  # [Qn, g, d]
+        Qw = q_by_window[w][layer_idx][h * rep : (h + 1) * rep].transpose(0, 1).contiguous()  # [Qn, g, d]
         positions = [n - args.scaling_queries + i for i in range(args.scaling_queries)]
-        r = scaling_point(keys_cat[l][h, :n].contiguous(), Qw, positions=positions, budgets=s_budgets, page_size=args.page_size,
+        r = scaling_point(keys_cat[layer_idx][h, :n].contiguous(), Qw, positions=positions, budgets=s_budgets, page_size=args.page_size,
                           sink=args.sink, window=args.window, seed=args.seed, variants=s_variants,
                           with_kmeans=args.scaling_kmeans)
-        r.update(data="real", layer=l, head=h)
+        r.update(data="real", layer=layer_idx, head=h)
         scaling_rows.append(r)
     for n in tqdm(sizes, desc="part B: synthetic", unit="size", file=sys.stderr):
         Ks, Qs = synthetic_clustered(n, 64, args.seed, args.scaling_queries)
@@ -435,7 +435,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     variants = part_a_variants(args)
     model, tok = load_model(args.model)
     n_layers = model.config.num_hidden_layers
-    layers = [int(x) for x in args.layers.split(",")] if args.layers else [l for l in range(n_layers) if l not in dense]
+    layers = [int(x) for x in args.layers.split(",")] if args.layers else [layer for layer in range(n_layers) if layer not in dense]
     sizes = sorted(int(s) for s in args.sizes.split(",") if s)
     ids_all = long_text(tok, max(args.tokens, max(sizes) if not args.no_scaling else 0))
     res = BenchResults()
