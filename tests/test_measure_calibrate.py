@@ -132,7 +132,7 @@ def test_quick_calibration_end_to_end(tiny_llama, tmp_path):
     assert back.meta["shape"]["layers"] == 4 and back.samples["decode_step"]
     register_shape(shape_from_config(tiny_llama.config, "tiny-llama"))
     costs = make_costs(get_hardware("this-machine", prof), prof, "allow")
-    res = simulate(SimConfig("tiny-llama", "this-machine", "quest", 200, budget=32, page_size=8, threads=2, dense_layers=1), costs)
+    res = simulate(SimConfig("tiny-llama", "this-machine", "quest", 200, budget=32, page_size=8, threads=2, dense_layers=(0,)), costs)
     assert res.tpot_s > 0 and res.tt2t_s > res.ttft_s > 0
 
 

@@ -86,7 +86,7 @@ def test_without_sliding_layers_nothing_changes(profile):
     llama = get_shape("llama-3.1-8b")
     assert llama.sliding_layers == () and llama.global_layers == tuple(range(32))
     assert llama.full_kv_bytes(1000, 2) == 1000 * llama.kv_bytes_per_token(2)
-    assert layer_roles(llama, "icecache", 2) == ("dense",) * 2 + ("sparse",) * 30
+    assert layer_roles(llama, "icecache", (0, 1)) == ("dense",) * 2 + ("sparse",) * 30
     # and a window wider than the context makes full KV of the hybrid model the all-global model exactly
     costs = _costs("this-machine", profile)
     for n in (1000, 6000):
@@ -109,9 +109,9 @@ def test_sliding_layers_attend_over_their_window_only(profile):
 def test_device_kv_of_sliding_layers_is_their_window(profile):
     per = GEMMA.kv_bytes_per_token_layer(4)
     for variant in ("full", "icecache"):
-        big = device_kv_bytes_by_role(SimConfig(GEMMA.name, "this-machine", variant, 8000, dense_layers=0), 4, None)
+        big = device_kv_bytes_by_role(SimConfig(GEMMA.name, "this-machine", variant, 8000, dense_layers=()), 4, None)
         assert big["sliding"] == 15 * 512 * per
-        small = device_kv_bytes_by_role(SimConfig(GEMMA.name, "this-machine", variant, 300, budget=64, dense_layers=0, new_tokens=2), 4, None)
+        small = device_kv_bytes_by_role(SimConfig(GEMMA.name, "this-machine", variant, 300, budget=64, dense_layers=(), new_tokens=2), 4, None)
         assert small["sliding"] == 15 * 301 * per
     full = simulate(SimConfig(GEMMA.name, "this-machine", "full", 8000, new_tokens=2), _costs("this-machine", profile), with_prefill=False)
     assert full.full_kv_bytes == full.device_kv_bytes == (15 * 512 + 3 * 8001) * per
@@ -119,10 +119,10 @@ def test_device_kv_of_sliding_layers_is_their_window(profile):
 
 def test_icecache_runs_on_the_global_layers_only(profile):
     costs = _costs("this-machine", profile)
-    cfg = SimConfig(GEMMA.name, "this-machine", "icecache", 8000, budget=256, page_size=16, dense_layers=0, threads=2, new_tokens=2)
-    assert layer_roles(GEMMA, "icecache", 0).count("sparse") == 3
-    assert layer_roles(GEMMA, "icecache", 2) == layer_roles(GEMMA, "icecache", 0)  # layers 0, 1 are sliding anyway
-    assert layer_roles(GEMMA, "icecache", 6)[5] == "dense"
+    cfg = SimConfig(GEMMA.name, "this-machine", "icecache", 8000, budget=256, page_size=16, dense_layers=(), threads=2, new_tokens=2)
+    assert layer_roles(GEMMA, "icecache", ()).count("sparse") == 3
+    assert layer_roles(GEMMA, "icecache", (0, 1)) == layer_roles(GEMMA, "icecache", ())  # layers 0, 1 are sliding anyway
+    assert layer_roles(GEMMA, "icecache", tuple(range(6)))[5] == "dense"
     res = simulate(cfg, costs, Fixed(0.5), with_prefill=False)
     mid = 8001 - 4 - 64
     assert res.bytes_per_step == pytest.approx(3 * 1 * (256 / 16) * 0.5 * GEMMA.page_bytes(16, 4))

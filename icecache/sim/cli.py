@@ -53,7 +53,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
     spec = SweepSpec.from_strings(
         hardware=args.hardware, models=args.model, contexts=args.context, budgets=args.budgets,
-        page_sizes=args.page_sizes, threads=args.threads, variants=args.variants, reuse=args.reuse, impl=args.impl,
+        page_sizes=args.page_sizes, threads=args.threads, variants=args.variants, reuse_every=args.reuse_every, impl=args.impl,
         dense_layers=parse_dense_layers(args.dense_layers),
     )
     profile = load_profile(args.profile)
@@ -106,7 +106,7 @@ def cmd_crossover(args: argparse.Namespace) -> int:
     from icecache.sim.crossover import crossover_report
 
     cfg = SimConfig(args.model, args.hardware, args.variant, 100_000, budget=args.budget, page_size=args.page_size, threads=args.threads,
-                    reuse=args.reuse, impl=args.impl)
+                    reuse_every=args.reuse_every, impl=args.impl)
     print(crossover_report(_simulator(args), cfg))
     return 0
 
@@ -129,7 +129,7 @@ def cmd_project(args: argparse.Namespace) -> int:
 
     template = SimConfig(args.model, args.hardware, "full", max(args.budget, 1), budget=args.budget, page_size=args.page_size,
                          sink=args.sink, window=args.window, threads=args.threads, dense_layers=parse_dense_layers(args.dense_layers),
-                         reuse=args.reuse, impl=args.impl, new_tokens=args.new_tokens)
+                         reuse_every=args.reuse_every, impl=args.impl, new_tokens=args.new_tokens)
     _, md, paths = projection(_simulator(args), template, parse_contexts(args.context), _csv(args.variants), out=args.out,
                               plots=not args.no_plots, command=command_line(args.argv))
     print(md)
@@ -176,10 +176,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--page-sizes", default="8,16,32")
     p.add_argument("--threads", default="8,16,64")
     p.add_argument("--variants", default="full,icecache,icecache-r,quest")
-    p.add_argument("--reuse", type=int, default=4, help="icecache-r: layers per selection")
+    p.add_argument("--reuse-every", type=int, default=1,
+                   help="icecache-r: sparse layers per selection, as IceCacheConfig.reuse_every (default 1)")
     p.add_argument("--impl", choices=("runtime", "paper"), default="runtime",
                    help="runtime: our runtime (selects on the caller's thread, prefetched inserts); paper: the paper's")
-    p.add_argument("--dense-layers", default="2", help="leading layers kept dense (full KV), or 'none'")
+    p.add_argument("--dense-layers", default="0,1", help="layers kept dense (full KV), comma-separated, or 'none' (default 0,1)")
     p.add_argument("--out", "--out-dir", dest="out", default=None,
                    help="write results.csv, summary.md and the plots into this folder (default: print the summary only)")
     p.add_argument("--workers", type=int, default=0, help="processes (0: one per CPU)")
@@ -206,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--threads", type=int, default=64)
     p.add_argument("--variant", default="icecache")
-    p.add_argument("--reuse", type=int, default=4)
+    p.add_argument("--reuse-every", type=int, default=1, help="icecache-r: sparse layers per selection (default 1)")
     p.add_argument("--impl", choices=("runtime", "paper"), default="paper",
                    help="paper (default: the comparison is with the paper's crossover) or runtime")
     _add_common(p)
@@ -226,9 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--sink", type=int, default=4)
     p.add_argument("--window", type=int, default=64)
-    p.add_argument("--dense-layers", default="none", help="leading layers kept dense (full KV), or 'none'")
+    p.add_argument("--dense-layers", default="none", help="layers kept dense (full KV), comma-separated, or 'none' (default)")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--reuse", type=int, default=4)
+    p.add_argument("--reuse-every", type=int, default=1, help="icecache-r: sparse layers per selection (default 1)")
     p.add_argument("--impl", choices=("runtime", "paper"), default="runtime")
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--out", default=None, help="write <out>.csv/.md/.png (path without suffix); default: print only")

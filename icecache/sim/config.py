@@ -1,4 +1,9 @@
-"""What to simulate: `SimConfig` (one configuration), the variants and implementations, and layer roles."""
+"""What to simulate: `SimConfig` (one configuration), the variants and implementations, and layer roles.
+
+`SimConfig` uses `icecache.core.config.IceCacheConfig`'s names, meanings and defaults where both describe the
+same thing: ``budget``, ``page_size``, ``sink``, ``window``, ``dense_layers`` (layer indices, default ``(0, 1)``),
+``reuse_every`` (default 1) and ``trace``.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +15,7 @@ from icecache.sim.costs import SCATTER_OPS
 from icecache.sim.hardware import canonical_hardware
 from icecache.sim.shapes import ModelShape, get_shape
 
-__all__ = ["VARIANTS", "IMPLS", "DEFAULT_PAGER", "SimConfig", "layer_roles"]
+__all__ = ["VARIANTS", "IMPLS", "DEFAULT_PAGER", "SimConfig", "check_dense_layers", "layer_roles"]
 
 VARIANTS: tuple[str, ...] = ("full", "icecache", "icecache-r", "quest")
 IMPLS: tuple[str, ...] = ("runtime", "paper")
@@ -32,14 +37,15 @@ class SimConfig:
     context : int
         Prompt tokens.
     budget, page_size, sink, window : int
-        As in ICECACHE.md s.2 (tokens).
+        As in ICECACHE.md s.2 (tokens) and `IceCacheConfig`.
     threads : int
         CPU threads of the worker pool (index builds, prefetched inserts; index queries with ``impl="paper"``).
-    dense_layers : int
-        Global layers with index below ``dense_layers`` keep full attention on the device (the runtime's
-        ``IceCacheConfig.dense_layers=(0, .., k-1)``; a sliding layer stays a sliding layer).
-    reuse : int
-        ``icecache-r``: sparse layers sharing one selection (the selecting layer included), >= 1.
+    dense_layers : tuple of int
+        Layers that keep full attention on the device, as `IceCacheConfig.dense_layers` (default ``(0, 1)``; a
+        sliding layer stays a sliding layer). Stored sorted and without repeats.
+    reuse_every : int
+        ``icecache-r``: sparse layers sharing one selection (the selecting layer included), >= 1, as
+        `IceCacheConfig.reuse_every` (default 1; other variants select at every sparse layer).
     impl : str
         ``"runtime"`` (our runtime) or ``"paper"`` (the paper's implementation); see the module docstring.
     pager : str or None
@@ -70,8 +76,8 @@ class SimConfig:
     threads: int = 8
     sink: int = 4
     window: int = 64
-    dense_layers: int = 2
-    reuse: int = 4
+    dense_layers: tuple[int, ...] = (0, 1)
+    reuse_every: int = 1
     impl: str = "runtime"
     pager: str | None = None
     new_tokens: int = 32
@@ -91,7 +97,7 @@ class SimConfig:
         object.__setattr__(self, "hardware", canonical_hardware(self.hardware))
         ints = dict(
             context=(self.context, 1), budget=(self.budget, 0), page_size=(self.page_size, 1), threads=(self.threads, 1),
-            sink=(self.sink, 0), window=(self.window, 1), dense_layers=(self.dense_layers, 0), reuse=(self.reuse, 1),
+            sink=(self.sink, 0), window=(self.window, 1), reuse_every=(self.reuse_every, 1),
             new_tokens=(self.new_tokens, 1), kv_dtype_bytes=(self.kv_dtype_bytes, 0), gather_calls=(self.gather_calls, 0),
             copy_calls=(self.copy_calls, 0), scatter_calls=(self.scatter_calls, 0),
         )
@@ -100,8 +106,7 @@ class SimConfig:
                 raise ConfigError(f"SimConfig.{name} must be an int >= {lo}, got {v!r}")
         if self.budget > self.context:
             raise ConfigError(f"SimConfig.budget ({self.budget}) must not exceed the context ({self.context} tokens)")
-        if self.dense_layers > shape.layers:
-            raise ConfigError(f"SimConfig.dense_layers ({self.dense_layers}) exceeds the {shape.layers} layers of {shape.name}")
+        object.__setattr__(self, "dense_layers", check_dense_layers(self.dense_layers, shape))
 
     @property
     def pager_name(self) -> str | None:
@@ -116,14 +121,29 @@ class SimConfig:
         return replace(self, **changes)
 
 
-def layer_roles(shape: ModelShape, variant: str, dense_layers: int) -> tuple[str, ...]:
+def check_dense_layers(dense_layers: Any, shape: ModelShape) -> tuple[int, ...]:
+    """``dense_layers`` as a sorted tuple of distinct layer indices of ``shape``; `ConfigError` otherwise (a
+    count, as older versions took, is refused: layer k is not the first k layers)."""
+    if not isinstance(dense_layers, (tuple, list, set, frozenset, range)) or not all(
+        isinstance(i, int) and not isinstance(i, bool) for i in dense_layers
+    ):
+        raise ConfigError(f"SimConfig.dense_layers must be a tuple of layer indices like IceCacheConfig.dense_layers "
+                          f"(the first k layers: tuple(range(k))), got {dense_layers!r}")
+    out = tuple(sorted(set(dense_layers)))
+    if any(not 0 <= i < shape.layers for i in out):
+        raise ConfigError(f"SimConfig.dense_layers must be layer indices in [0, {shape.layers - 1}] for {shape.name}, "
+                          f"got {tuple(dense_layers)!r}")
+    return out
+
+
+def layer_roles(shape: ModelShape, variant: str, dense_layers: tuple[int, ...]) -> tuple[str, ...]:
     """Per layer: ``"sliding"`` (window KV through the model's cache), ``"dense"`` (full KV) or ``"sparse"``
     (IceCache), as `icecache.runtime.cache.IceCache` assigns them (sliding first, then ``dense_layers``)."""
     out = []
     for layer in range(shape.layers):
         if shape.is_sliding(layer):
             out.append("sliding")
-        elif variant == "full" or layer < dense_layers:
+        elif variant == "full" or layer in dense_layers:
             out.append("dense")
         else:
             out.append("sparse")

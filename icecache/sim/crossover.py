@@ -145,7 +145,7 @@ def crossover_report(sim: Simulator, cfg: SimConfig) -> str:
     cr = crossings(sim, cfg)
     x = find_crossover(sim, cfg)
     lines = [f"{cfg.variant} vs full KV on {cfg.hardware} / {cfg.model} (budget {cfg.budget}, page {cfg.page_size}, "
-             f"{cfg.threads} threads, reuse {cfg.reuse}, {cfg.impl} implementation): becomes faster at {_scan_label(x)}; all swaps in 1k..4M: "
+             f"{cfg.threads} threads, reuse {cfg.reuse_every}, {cfg.impl} implementation): becomes faster at {_scan_label(x)}; all swaps in 1k..4M: "
              + (", ".join(f"{d} at {_scan_label(t)}" for t, d in cr) or "none")]
     lines += ["", "| context | full TPOT ms | variant TPOT ms | select | insert | load (gather+copy+scatter) | attend | compute |",
               "|---:|---:|---:|---:|---:|---:|---:|---:|"]

@@ -37,20 +37,21 @@ def load_hit(paths: Sequence[str | os.PathLike[str]] | None, extrapolation: str)
     return load_hit_model(list(paths), extrapolation) if paths else None
 
 
-def parse_dense_layers(text: str) -> int:
-    """``--dense-layers``: a count of leading layers, or ``none`` (0)."""
+def parse_dense_layers(text: str) -> tuple[int, ...]:
+    """``--dense-layers``: comma-separated layer indices as ``icecache generate --dense-layers`` takes them
+    (``"0,1"``), or ``none`` / empty for no dense layer."""
     t = str(text).strip().lower()
     if t in ("none", ""):
-        return 0
+        return ()
     try:
-        return int(t)
+        return tuple(int(x) for x in t.split(",") if x.strip())
     except ValueError:
-        raise ConfigError(f"--dense-layers takes a number of leading layers or 'none', got {text!r}") from None
+        raise ConfigError(f"--dense-layers takes comma-separated layer indices (e.g. 0,1) or 'none', got {text!r}") from None
 
 
-def format_dense_layers(layers: int) -> str:
+def format_dense_layers(layers: Sequence[int]) -> str:
     """How a command prints ``dense_layers`` (the inverse of `parse_dense_layers`)."""
-    return str(layers) if layers else "none"
+    return ",".join(str(i) for i in layers) if layers else "none"
 
 
 def command_line(argv: Sequence[str]) -> str:

@@ -98,11 +98,11 @@ class PrefillPlan:
     background_share: float = 1.0
 
 
-def reuse_groups(sparse: Sequence[int], reuse: int, variant: str) -> tuple[dict[int, tuple[int, ...]], dict[int, int]]:
-    """Reuse groups over the sparse layers (in order): every ``reuse`` consecutive sparse layers share the
+def reuse_groups(sparse: Sequence[int], reuse_every: int, variant: str) -> tuple[dict[int, tuple[int, ...]], dict[int, int]]:
+    """Reuse groups over the sparse layers (in order): every ``reuse_every`` consecutive sparse layers share the
     selection of the first (``icecache-r``; every other variant selects at each sparse layer), as
     `IceCache.reuse_leader` groups them."""
-    r = reuse if variant == "icecache-r" else 1
+    r = reuse_every if variant == "icecache-r" else 1
     groups: dict[int, tuple[int, ...]] = {}
     index_of: dict[int, int] = {}
     sparse = list(sparse)
@@ -125,7 +125,7 @@ def plan_decode_step(
     mid = max(n - cfg.sink - cfg.window, 0)
     roles = layer_roles(shape, cfg.variant, cfg.dense_layers)
     sparse = [layer for layer, r in enumerate(roles) if r == "sparse"]
-    groups, index_of = reuse_groups(sparse, cfg.reuse, cfg.variant)
+    groups, index_of = reuse_groups(sparse, cfg.reuse_every, cfg.variant)
     compute = costs.layer_compute_s(shape, notes)
     layers: list[LayerPlan] = []
     pager = cfg.pager_name
@@ -201,7 +201,7 @@ def plan_prefill(cfg: SimConfig, costs: CostModel, notes: list[str] | None = Non
     n = cfg.context
     mid = max(n - cfg.sink - cfg.window, 0)
     roles = layer_roles(shape, cfg.variant, cfg.dense_layers)
-    _, index_of = reuse_groups([layer for layer, r in enumerate(roles) if r == "sparse"], cfg.reuse, cfg.variant)
+    _, index_of = reuse_groups([layer for layer, r in enumerate(roles) if r == "sparse"], cfg.reuse_every, cfg.variant)
     sparse_any = "sparse" in roles
     build = costs.build_job_s(shape, cfg.pager_name, mid, cfg.page_size, notes) if (sparse_any and mid) else 0.0
     # a shared machine whose profile timed real prefills: the jobs' measured cost inside a prefill, on the caller
@@ -228,22 +228,24 @@ def plan_prefill(cfg: SimConfig, costs: CostModel, notes: list[str] | None = Non
 
 def component_plan(
     *, layers: int, select_s: float, decode_s: float, load_s: float, other_s: float, kv_heads: int = 8,
-    threads: int = 64, dense_layers: int = 0, reuse: int = 1, prefetch: bool = True,
+    threads: int = 64, dense_layers: Sequence[int] = (), reuse_every: int = 1, prefetch: bool = True,
 ) -> StepPlan:
     """A step plan from per-step component totals (the paper's breakdown), spread evenly over the layers
     (``impl="paper"``).
 
     ``select_s`` is spread over the selecting sparse layers as it would be measured without reuse (each sparse
-    layer's share is ``select_s / sparse layers``), so a plan with ``reuse > 1`` runs fewer of those shares;
+    layer's share is ``select_s / sparse layers``), so a plan with ``reuse_every > 1`` runs fewer of those shares;
     ``decode_s`` over all layers (device), ``load_s`` over sparse layers (as gather), ``other_s`` per step.
     """
-    sparse = layers - dense_layers
-    variant = "icecache-r" if reuse > 1 else "icecache"
-    groups, index_of = reuse_groups(range(dense_layers, layers), reuse, variant)
+    dense = set(dense_layers)
+    sparse_layers = [layer for layer in range(layers) if layer not in dense]
+    sparse = len(sparse_layers)
+    variant = "icecache-r" if reuse_every > 1 else "icecache"
+    groups, index_of = reuse_groups(sparse_layers, reuse_every, variant)
     rounds = math.ceil(kv_heads / threads)
     out = []
     for layer in range(layers):
-        if layer < dense_layers:
+        if layer in dense:
             out.append(LayerPlan("dense", compute_s=decode_s / layers))
             continue
         sel = index_of[layer] == layer

@@ -36,12 +36,12 @@ def paper_report(sim: Simulator) -> str:
                  f"{fed.busy['gather']:.4f} | {fed.busy['other']:.4f} |")
     for r in (2, 4, 8):
         fr = simulate_step(component_plan(layers=shape.layers, select_s=a.select_s, decode_s=a.decode_s, load_s=a.load_s,
-                                          other_s=a.other_s, kv_heads=shape.kv_heads, threads=a.threads, reuse=r))
+                                          other_s=a.other_s, kv_heads=shape.kv_heads, threads=a.threads, reuse_every=r))
         lines.append(f"| same, reuse r={r} (paper: {a.tpot_reuse_s}) | {fr.seconds:.4f} | {fr.busy['select']:.4f} | "
                      f"{fr.busy['compute']:.4f} | {fr.busy['gather']:.4f} | {fr.busy['other']:.4f} |")
     cfg = SimConfig(a.model, a.hardware, "icecache", a.context, budget=a.budget, page_size=a.page_size, threads=a.threads,
-                    dense_layers=a.dense_layers, reuse=a.reuse_every, new_tokens=1, impl="paper")
-    for v, label in (("icecache", "predicted from the profiles"), ("icecache-r", f"predicted, reuse r={cfg.reuse}")):
+                    dense_layers=tuple(range(a.dense_layers)), reuse_every=a.reuse_every, new_tokens=1, impl="paper")
+    for v, label in (("icecache", "predicted from the profiles"), ("icecache-r", f"predicted, reuse r={cfg.reuse_every}")):
         res = sim.run(cfg.replace(variant=v))
         c = res.components()
         lines.append(f"| {label} | {res.tpot_s:.4f} | {c['dci_query']:.4f} | {c['decoding']:.4f} | {c['loading']:.4f} | "

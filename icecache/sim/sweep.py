@@ -28,6 +28,7 @@ from icecache.sim.crossover import crossovers, describe_crossover
 from icecache.sim.engine import STAGES
 from icecache.sim.hardware import canonical_hardware
 from icecache.sim.hitrate import HitModel
+from icecache.sim.inputs import format_dense_layers
 from icecache.sim.predictors import ExtrapolationWarning
 from icecache.sim.profile import CalibrationProfile
 from icecache.sim.shapes import get_shape
@@ -77,13 +78,13 @@ class SweepSpec:
     page_sizes: tuple[int, ...]
     threads: tuple[int, ...]
     variants: tuple[str, ...]
-    reuse: int = 4
+    reuse_every: int = 1
     impl: str = "runtime"
-    dense_layers: int = 2
+    dense_layers: tuple[int, ...] = (0, 1)
 
     @classmethod
     def from_strings(cls, *, hardware: str, models: str, contexts: str, budgets: str, page_sizes: str, threads: str,
-                     variants: str, reuse: int = 4, impl: str = "runtime", dense_layers: int = 2) -> "SweepSpec":
+                     variants: str, reuse_every: int = 1, impl: str = "runtime", dense_layers: Sequence[int] = (0, 1)) -> "SweepSpec":
         def ints(s: str) -> tuple[int, ...]:
             return tuple(parse_tokens(x) for x in str(s).split(",") if x.strip())
 
@@ -94,8 +95,8 @@ class SweepSpec:
             hardware=tuple(canonical_hardware(h) for h in names(hardware)),
             models=tuple(get_shape(m).name for m in names(models)),
             contexts=tuple(parse_contexts(contexts)),
-            budgets=ints(budgets), page_sizes=ints(page_sizes), threads=ints(threads), variants=names(variants), reuse=reuse,
-            impl=impl, dense_layers=dense_layers,
+            budgets=ints(budgets), page_sizes=ints(page_sizes), threads=ints(threads), variants=names(variants),
+            reuse_every=reuse_every, impl=impl, dense_layers=tuple(dense_layers),
         )
         for v in spec.variants:
             if v not in VARIANTS:
@@ -114,7 +115,7 @@ class SweepSpec:
             for m in self.models:
                 for n in self.contexts:
                     for v in self.variants:
-                        common = dict(reuse=self.reuse, impl=self.impl, dense_layers=self.dense_layers)
+                        common = dict(reuse_every=self.reuse_every, impl=self.impl, dense_layers=self.dense_layers)
                         if v == "full":
                             out.append(SimConfig(m, hw, v, n, budget=min(self.budgets[0], n), page_size=self.page_sizes[0],
                                                  threads=self.threads[0], **common))
@@ -331,7 +332,8 @@ def summary_markdown(rows: Sequence[dict[str, Any]], spec: SweepSpec, *, command
               f"- {scaled} rows scale host-side costs measured on the embedded model to another model's shape "
               "(queries per select x head width; column `shape_scaled`).",
               "- OOM: full KV plus weights exceed the device memory; its TPOT is what it would be if it fit.",
-              f"- Implementation modelled: `{spec.impl}` (icecache.sim.model docstring); dense layers: the global layers below {spec.dense_layers}.",
+              f"- Implementation modelled: `{spec.impl}` (icecache.sim.model docstring); dense layers: {format_dense_layers(spec.dense_layers)}"
+              + (f"; icecache-r selects every {spec.reuse_every} sparse layers." if "icecache-r" in spec.variants else "."),
               "- Busy times per stage can sum to more than TPOT where stages overlap (background inserts, the paper's "
               "icecache-r early loads).", ""]
     if plots:

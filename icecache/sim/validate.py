@@ -98,11 +98,10 @@ class MeasuredRun:
             model=self.model, hardware=self.hardware, variant=self.variant, context=self.context,
             budget=min(self.budget, self.context), page_size=self.page_size, threads=self.threads, new_tokens=self.new_tokens,
         )
-        for src, dst in (("reuse_every", "reuse"), ("dense_layers", "dense_layers"), ("sink", "sink"), ("window", "window"), ("pager", "pager"),
-                         ("trace", "trace")):
-            if src in self.extra:
-                v = self.extra[src]
-                kw[dst] = len(v) if dst == "dense_layers" and isinstance(v, (list, tuple)) else v
+        for key in ("reuse_every", "dense_layers", "sink", "window", "pager", "trace"):
+            if key in self.extra:
+                v = self.extra[key]
+                kw[key] = tuple(v) if key == "dense_layers" and isinstance(v, list) else v
         kw.update(overrides)
         return SimConfig(**kw)
 
@@ -469,7 +468,7 @@ def synthetic_runs(
             variant=cfg.variant, model=cfg.model, context=cfg.context, budget=cfg.budget, page_size=cfg.page_size,
             threads=cfg.threads, new_tokens=cfg.new_tokens, tpot_s=tpot, tt2t_s=pre + tpot,
             ttft_s=res.ttft_s * prefill_factor, stage_seconds=st, hardware=cfg.hardware,
-            extra={"synthetic": True, "reuse_every": cfg.reuse, "dense_layers": cfg.dense_layers,
+            extra={"synthetic": True, "reuse_every": cfg.reuse_every, "dense_layers": list(cfg.dense_layers),
                    "stats": {"steps": cfg.new_tokens - 1 or 1, "bytes_copied": res.bytes_per_step * (cfg.new_tokens - 1 or 1)}},
         ))
     return out
