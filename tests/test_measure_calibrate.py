@@ -66,7 +66,7 @@ def test_decode_index_timing_scales_select_and_replaces_insert():
     """select_job_s = round-robin select(n, B, P) x select_decode(n) / select(n, B0, P0); insert from insert_decode."""
     import dataclasses
 
-    from icecache.sim.costs import MeasuredCosts
+    from icecache.sim.cost_models import MeasuredCosts
     from icecache.sim.shapes import get_shape
     from icecache.sim.testing import synthetic_profile
 

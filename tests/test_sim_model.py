@@ -379,7 +379,7 @@ def test_measured_inline_prefill_jobs_replace_the_pool_model_on_a_shared_machine
     the caller, so TTFT is the serial sum of compute, those and the LM head; without it, unchanged."""
     import dataclasses
 
-    from icecache.sim.costs import MeasuredCosts
+    from icecache.sim.cost_models import MeasuredCosts
     from icecache.sim.plans import plan_prefill
     from icecache.sim.predictors import Predictor
     from icecache.sim.testing import synthetic_profile

@@ -34,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
-from icecache.sim.costs import MeasuredCosts  # noqa: E402
+from icecache.sim.cost_models import MeasuredCosts  # noqa: E402
 from icecache.sim.profile import CalibrationProfile  # noqa: E402
 from icecache.sim.shapes import shape_from_config  # noqa: E402
 

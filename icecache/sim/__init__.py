@@ -5,15 +5,16 @@
     icecache calibrate --out PROFILE.json        # time this machine's components (`icecache.measure`)
 
 Modules, bottom up: `shapes` (model shapes), `anchors` (the paper's numbers), `closed_forms`, `predictors`
-(fitted formulas), `profile` (the calibration profile file), `costs` (the `CostModel` interface and its two
-implementations), `hardware` (profiles with sources), `hitrate` (traces, hit models), `config` (`SimConfig`),
+(fitted formulas), `profile` (the calibration profile file), `costs` (the `CostModel` interface),
+`cost_models` (its two implementations), `hardware` (profiles with sources), `hitrate` (traces, hit models), `config` (`SimConfig`),
 `plans`, `engine` (SimPy), `model` (`simulate`), `simulator`, `sweep`, `crossover`, `reports`, `validate`,
 `inputs` and `cli` (the commands). The simulator imports only `icecache.core` and itself: profiles are files it
 reads; `icecache.measure` makes them.
 """
 
 from icecache.sim.config import VARIANTS, SimConfig
-from icecache.sim.costs import CostModel, GpuCosts, MeasuredCosts
+from icecache.sim.cost_models import GpuCosts, MeasuredCosts
+from icecache.sim.costs import CostModel
 from icecache.sim.hardware import HARDWARE, HardwareProfile, Quantity, get_hardware, make_costs
 from icecache.sim.hitrate import HitStats, ParametricHitModel, PriorHitModel, Trace, read_trace, synthetic_trace
 from icecache.sim.model import SimResult, simulate

@@ -247,12 +247,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one simulator command; a bad input (`icecache.core.errors.IceCacheError`) prints ``error: ...`` on
-    one line and returns 2."""
+    """Run one simulator command (``argv`` without the program name; None: ``sys.argv[1:]``). A bad input
+    (`icecache.core.errors.IceCacheError`, or a file that cannot be read or written) prints ``error: ...`` on one
+    line and returns 2."""
     args = build_parser().parse_args(argv)
     args.argv = list(argv) if argv is not None else sys.argv[1:]
     try:
         return int(args.fn(args) or 0)
-    except IceCacheError as exc:
+    except (IceCacheError, OSError) as exc:  # bad input, or a file that cannot be read or written
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -24,7 +24,8 @@ from typing import Any, Iterator
 
 from icecache.core.errors import ConfigError, UnknownNameError
 from icecache.sim import anchors
-from icecache.sim.costs import CostModel, GpuCosts, MeasuredCosts
+from icecache.sim.cost_models import GpuCosts, MeasuredCosts
+from icecache.sim.costs import CostModel
 from icecache.sim.predictors import check_policy
 from icecache.sim.profile import CalibrationProfile
 from icecache.sim.shapes import ModelShape, get_shape

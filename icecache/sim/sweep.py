@@ -151,6 +151,8 @@ def run_configs(
     CPU), or ``ray`` (optional dependency, imported only here).
     """
     configs = list(configs)
+    if workers < 0:
+        raise ConfigError(f"workers must be >= 0 (0: one per CPU), got {workers}")
     lean = _lean(profile)
     if backend == "serial" or len(configs) < 64:
         return _run_chunk((lean, hit, extrapolation, configs, with_prefill))

@@ -169,10 +169,21 @@ def run_key(d: dict[str, Any]) -> tuple[str, int, int, int, int]:
     return (str(d.get("variant")), int(d.get("context", -1)), int(d.get("budget", -1)), int(d.get("page_size", -1)), int(d.get("threads", -1)))
 
 
+def _trace_meta(p: Path) -> dict[str, Any] | None:
+    """The meta line of the trace file ``p`` (None without one); `ConfigError`/`InputError` when unreadable."""
+    if not p.is_file():
+        raise ConfigError(f"no trace file at {p}")
+    try:
+        with open_trace(p) as fh:
+            first = json.loads(fh.readline() or "{}")
+    except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InputError(f"cannot read the trace {p} ({exc})") from None
+    return first["meta"] if isinstance(first, dict) and isinstance(first.get("meta"), dict) else None
+
+
 def _trace_key(p: Path) -> tuple[str, int, int, int, int] | None:
-    with open_trace(p) as fh:
-        first = json.loads(fh.readline() or "{}")
-    return run_key(first["meta"]) if "meta" in first else None
+    meta = _trace_meta(p)
+    return None if meta is None else run_key(meta)
 
 
 def traced_keys(paths: Sequence[str | Path]) -> set[tuple[str, int, int, int, int]]:
@@ -182,10 +193,9 @@ def traced_keys(paths: Sequence[str | Path]) -> set[tuple[str, int, int, int, in
         p = Path(p)
         if not is_trace_path(p) or not p.is_file():
             continue
-        with open_trace(p) as fh:
-            first = json.loads(fh.readline() or "{}")
-        if "meta" in first:
-            keys.add(run_key(first["meta"]))
+        key = _trace_key(p)
+        if key is not None:
+            keys.add(key)
     return keys
 
 
