@@ -38,6 +38,16 @@ def test_the_simulator_imports_only_core_and_itself():
         assert not bad, (name, bad)
 
 
+def test_the_simulator_does_not_even_name_the_upper_packages():
+    """Issue 21's acceptance: ``grep -rn "icecache.runtime\\|icecache.indexes\\|icecache.eval\\|icecache.measure"
+    icecache/sim`` prints nothing (docstrings included)."""
+    import re
+
+    pattern = re.compile(r"icecache.runtime|icecache.indexes|icecache.eval|icecache.measure")
+    hits = [f"{p}:{i + 1}" for p in (PKG / "sim").rglob("*.py") for i, line in enumerate(p.read_text().splitlines()) if pattern.search(line)]
+    assert not hits, hits
+
+
 def test_measure_does_not_import_eval_and_no_module_imports_private_names():
     for name, tree in {**_modules("sim"), **_modules("measure")}.items():
         for mod, names in _imports(tree):

@@ -12,7 +12,7 @@ from icecache.sim.hitrate import HitStats
 from icecache.sim.config import SimConfig, layer_roles
 from icecache.sim.model import device_kv_bytes_by_role, simulate
 from icecache.sim.plans import plan_prefill
-from icecache.sim.shapes import ModelShape, get_shape, register_shape, shape_from_config, shape_from_dict, shape_to_dict
+from icecache.sim.shapes import get_shape, register_shape, shape_from_config, shape_from_dict, shape_to_dict
 from icecache.sim.testing import synthetic_profile
 
 GEMMA = get_shape("gemma-3-270m")
@@ -128,8 +128,8 @@ def test_icecache_runs_on_the_global_layers_only(profile):
     assert res.bytes_per_step == pytest.approx(3 * 1 * (256 / 16) * 0.5 * GEMMA.page_bytes(16, 4))
     assert res.host_kv_bytes == 3 * mid * GEMMA.kv_bytes_per_token_layer(4)
     pre = plan_prefill(cfg, costs)
-    assert [l for l, pl in enumerate(pre.layers) if pl.build_jobs] == [5, 11, 17]
-    assert all(pl.offload_s == 0 for l, pl in enumerate(pre.layers) if l not in (5, 11, 17))
+    assert [layer for layer, pl in enumerate(pre.layers) if pl.build_jobs] == [5, 11, 17]
+    assert all(pl.offload_s == 0 for layer, pl in enumerate(pre.layers) if layer not in (5, 11, 17))
     # the all-global model offloads and indexes all 18 layers: more select work, same per-layer cost
     allg = simulate(cfg.replace(model=ALL_GLOBAL.name), costs, Fixed(0.5), with_prefill=False)
     assert allg.stages["select"] == pytest.approx(res.stages["select"] * 18 / 3, rel=1e-9)

@@ -24,11 +24,11 @@ times = st.floats(min_value=1e-5, max_value=1e-2, allow_nan=False)
 def _sparse_plan(n_layers: int, t: dict, jobs: int, threads: int, shared: bool = False, reuse: int = 1, prefetch: bool = True) -> StepPlan:
     groups, index_of = reuse_groups(range(n_layers), reuse, "icecache-r" if reuse > 1 else "icecache")
     layers = tuple(
-        LayerPlan("sparse", selects=index_of[l] == l, compute_s=t["compute"], attend_s=t["attend"],
-                  insert_jobs=jobs if index_of[l] == l else 0, insert_job_s=t["insert"],
-                  select_jobs=jobs if index_of[l] == l else 0, select_job_s=t["select"],
+        LayerPlan("sparse", selects=index_of[layer] == layer, compute_s=t["compute"], attend_s=t["attend"],
+                  insert_jobs=jobs if index_of[layer] == layer else 0, insert_job_s=t["insert"],
+                  select_jobs=jobs if index_of[layer] == layer else 0, select_job_s=t["select"],
                   gather_s=t["gather"], copy_s=t["copy"], scatter_s=t["scatter"])
-        for l in range(n_layers)
+        for layer in range(n_layers)
     )
     return StepPlan(layers, t["head"], t["other"], threads, 1.0, shared, prefetch, groups, index_of)
 

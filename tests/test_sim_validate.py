@@ -133,7 +133,7 @@ def test_validate_command(tmp_path, capsys, sim):
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from icecache.sim.validate import MeasuredRun, kendall_tau, repeat_noise, resolved_tau  # noqa: E402
+from icecache.sim.validate import repeat_noise, resolved_tau  # noqa: E402
 
 
 @settings(max_examples=60, deadline=None)

@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(len(grid)):
             reps = [done[(rnd, i)] for rnd in range(args.repeats)]
             fh.write(json.dumps(median_run(reps)) + "\n")
-    print(f"wrote {out}; median TPOT {statistics.median(json.loads(l)['tpot_s'] for l in out.read_text().splitlines()) * 1e3:.1f} ms")
+    print(f"wrote {out}; median TPOT {statistics.median(json.loads(row)['tpot_s'] for row in out.read_text().splitlines()) * 1e3:.1f} ms")
     return 0
 
 

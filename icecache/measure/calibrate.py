@@ -125,7 +125,6 @@ class CalibrationSettings:
         )
 
 
-
 def _default_sink_window() -> int:
     from icecache.core.config import IceCacheConfig
 

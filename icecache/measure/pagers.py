@@ -96,7 +96,6 @@ def measure_pager(
     return out
 
 
-
 def measure_decode_index(
     model: Any, input_ids: Any, pager: str, sizes: Sequence[int], steps: int, budget: int, page_size: int,
     dense_layers: Sequence[int] | None = None, rounds: int = 1, seed: int = 0, log: Callable[[str], None] = print,
@@ -205,7 +204,6 @@ def measure_pool(
         for ex in executors.values():
             ex.shutdown()
     return [{"threads": T, "jobs": jobs if T else 1, "n": n, "seconds": secs[T]} for T in fns]
-
 
 
 def measure_background_share(

@@ -2,14 +2,14 @@
 
     python -m icecache.sim sweep ... --out DIR   # project TPOT / TT2T / bytes over hardware, models, contexts
     python -m icecache.sim validate              # score predictions against the shipped measured runs
-    icecache calibrate --out PROFILE.json        # time this machine's components (`icecache.measure`)
+    icecache calibrate --out PROFILE.json        # time this machine's components (the measure package)
 
 Modules, bottom up: `shapes` (model shapes), `anchors` (the paper's numbers), `closed_forms`, `predictors`
 (fitted formulas), `profile` (the calibration profile file), `costs` (the `CostModel` interface),
 `cost_models` (its two implementations), `hardware` (profiles with sources), `hitrate` (traces, hit models), `config` (`SimConfig`),
 `plans`, `engine` (SimPy), `model` (`simulate`), `simulator`, `sweep`, `crossover`, `reports`, `validate`,
 `inputs` and `cli` (the commands). The simulator imports only `icecache.core` and itself: profiles are files it
-reads; `icecache.measure` makes them.
+reads; the measure package (``icecache calibrate``) makes them.
 """
 
 from icecache.sim.config import VARIANTS, SimConfig

@@ -138,7 +138,7 @@ def check_dense_layers(dense_layers: Any, shape: ModelShape) -> tuple[int, ...]:
 
 def layer_roles(shape: ModelShape, variant: str, dense_layers: tuple[int, ...]) -> tuple[str, ...]:
     """Per layer: ``"sliding"`` (window KV through the model's cache), ``"dense"`` (full KV) or ``"sparse"``
-    (IceCache), as `icecache.runtime.cache.IceCache` assigns them (sliding first, then ``dense_layers``)."""
+    (IceCache), as the runtime's `IceCache` (``runtime/cache.py``) assigns them (sliding first, then ``dense_layers``)."""
     out = []
     for layer in range(shape.layers):
         if shape.is_sliding(layer):

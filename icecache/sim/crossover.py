@@ -191,4 +191,3 @@ def crossover_report(sim: Simulator, cfg: SimConfig) -> str:
                          f"{_scan_label(n_fit)} match it ({line.tpot_s(n_fit) * 1e3:.0f} ms); then faster at "
                          f"{_scan_label(find_crossover(alt, cfg))}")
     return "\n".join(lines)
-

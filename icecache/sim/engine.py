@@ -20,7 +20,7 @@ from icecache.sim.plans import LayerPlan, PrefillLayer, PrefillPlan, StepPlan
 
 __all__ = ["STAGES", "Machine", "StepResult", "simulate_step", "RequestResult", "simulate_request"]
 
-#: Stages, in the runtime's names where the runtime times the same thing (`icecache.runtime.timing.STAGES`):
+#: Stages, in the runtime's names where the runtime times the same thing (its ``timing.STAGES``):
 #: select, gather, copy, scatter, attend (sparse layers' attention over their device buffer), insert (the
 #: synchronous part of the window insert), other (the bulk loader's bookkeeping and per-step host overhead).
 #: Not timed by the runtime: dense_attend (attention through the model's own cache: dense, sliding and every

@@ -8,7 +8,7 @@ Covers:
 
 Two implementations (`SimConfig.impl`), which differ in where the host work runs:
 
-``runtime`` (default): what `icecache.runtime` does per decode step and sparse layer (read from `cache.py`,
+``runtime`` (default): what our runtime does per decode step and sparse layer (read from `cache.py`,
     `loader.py`, `prefill.py`): one ``pager.select`` per (batch row, KV head) *on the caller's thread*, one
     after another; the `BulkLoader`'s bookkeeping ("other"), one ``index_select`` per (row, KV head) with new
     tokens into one staging buffer ("gather"), one copy ("copy"), two ``index_copy_`` plus a validity-mask
@@ -68,7 +68,6 @@ PAPER_COMPONENTS: dict[str, tuple[str, ...]] = {
     "loading": ("gather", "copy", "scatter"),
     "other": ("insert", "other"),
 }
-
 
 
 @dataclass

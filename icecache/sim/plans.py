@@ -225,7 +225,6 @@ def plan_prefill(cfg: SimConfig, costs: CostModel, notes: list[str] | None = Non
                        costs.background_share(notes, phase="prefill") if cfg.impl == "runtime" else 1.0)
 
 
-
 def component_plan(
     *, layers: int, select_s: float, decode_s: float, load_s: float, other_s: float, kv_heads: int = 8,
     threads: int = 64, dense_layers: Sequence[int] = (), reuse_every: int = 1, prefetch: bool = True,

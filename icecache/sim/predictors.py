@@ -34,13 +34,11 @@ class ExtrapolationWarning(UserWarning):
     """A predictor was asked about a point outside the range it was measured over (policy ``warn``)."""
 
 
-
 def check_policy(policy: str) -> str:
     """Validate an extrapolation policy name."""
     if policy not in EXTRAPOLATION_POLICIES:
         raise ConfigError(f"extrapolation must be one of {EXTRAPOLATION_POLICIES}, got {policy!r}")
     return policy
-
 
 
 FORMS: tuple[str, ...] = ("constant", "affine", "quadratic", "power", "pwpower")

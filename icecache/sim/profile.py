@@ -43,9 +43,10 @@ class CalibrationProfile:
     machine : dict
         CPU model, core count, OS, host name (identifies where it was measured).
     versions : dict
-        Library versions at measurement time (`icecache.measure.stack.software_versions`).
+        Library versions at measurement time (``icecache calibrate`` records them).
     pager_hashes : dict
-        Source hashes of the measured pagers (`icecache.measure.stack.pager_code_hashes`).
+        Source hashes of the measured pagers (recorded the same way; ``icecache calibrate --check``
+        compares both with the running stack).
     created : str
         ISO time of the measurement.
     predictors : dict of str to Predictor

@@ -55,7 +55,6 @@ def paper_report(sim: Simulator) -> str:
     return "\n".join(lines)
 
 
-
 def projection(sim: Simulator, template: SimConfig, contexts: Sequence[int], variants: Sequence[str], *,
                out: str | Path | None = None, plots: bool = True, command: str = "") -> tuple[list[dict[str, Any]], str, list[Path]]:
     """The ``project`` command: TPOT vs context of ``variants`` for ``template``'s model on its machine (every

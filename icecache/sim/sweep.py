@@ -181,7 +181,6 @@ def run_configs(
     return [row for part in parts for row in part]
 
 
-
 def default_workers() -> int:
     """Worker processes of a sweep by default: one per usable CPU."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -357,4 +356,3 @@ def write_results(rows: Sequence[dict[str, Any]], spec: SweepSpec, out_dir: str 
     md = out / "summary.md"
     md.write_text(summary_markdown(rows, spec, plots=figures, **summary))
     return [csv_path, md, *figures]
-

@@ -1,6 +1,7 @@
 """``python -m icecache.sim validate``: predict measured runs of the runtime and score the predictions.
 
-Input: JSON lines, one measured run each (``experiments/sim/measure_runs.py`` writes them)::
+Input: JSON lines, one measured run each (``experiments/sim/measure_runs.py`` writes them; the runs the package
+ships, ``icecache/sim/data/measured_runs.jsonl`` (`icecache.sim.profile.default_runs_path`), are the default)::
 
     {"variant": "icecache", "model": "smollm2-135m-instruct", "context": 4096, "budget": 256, "page_size": 16,
      "threads": 2, "new_tokens": 32, "tpot_s": 0.061, "tt2t_s": 3.1, "ttft_s": 3.0,
@@ -37,7 +38,7 @@ from icecache.sim.model import SimResult, simulate
 from icecache.sim.simulator import Simulator
 
 RUNTIME_STAGES: tuple[str, ...] = ("select", "gather", "copy", "scatter", "attend", "insert", "other")
-#: Simulator stages summed into each runtime stage. The runtime's timers (`icecache.runtime.timing.StageTimer`)
+#: Simulator stages summed into each runtime stage. The runtime's timers (its `StageTimer`)
 #: cover only the sparse layers' own work: select (the pager queries on the caller's thread), gather / copy /
 #: scatter / other (inside `BulkLoader.load`; "other" is its residency bookkeeping), attend (SDPA over the
 #: layer's device buffer) and insert (the synchronous window insert of `_decode_append`). Projections, MLP, LM

@@ -101,7 +101,6 @@ def scaling_point(
     return out
 
 
-
 def slope(ns: Sequence[float], ts: Sequence[float]) -> float:
     """Least-squares exponent a of t ~ n^a."""
     if len(ns) < 2:
