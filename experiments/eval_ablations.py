@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import icecache  # noqa: E402
-from icecache.eval.bench_index import write_csv  # noqa: E402
+from icecache.core.report import write_csv  # noqa: E402
 from icecache import IceCache, IceCacheConfig  # noqa: E402
 from icecache.eval.harness import clone_kv, decode_forced, decode_greedy, run_prefill  # noqa: E402
 from icecache.eval.passkey import make_passkey, passkey_correct  # noqa: E402

@@ -238,13 +238,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from icecache.eval.command import check_eval_flags
 
     check_eval_flags(args, given_ice_options(args))
+    config = _ice_config(args)
     if args.task == "ruler":
         from icecache.eval.ruler.command import run_command
 
-        return run_command(args)
+        return run_command(args, config)
     from icecache.eval.command import run_task_command
 
-    return run_task_command(args)
+    return run_task_command(args, config)
 
 
 def _add_ice_options(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
@@ -310,21 +311,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _bench_index(argv: list[str]) -> int:
-    from icecache.eval.bench_index import main as bench_index_main
+    from icecache.measure.bench_index import main as bench_index_main
 
     return bench_index_main(argv)
 
 
 def _sim(argv: list[str]) -> int:
-    from icecache.sim.__main__ import main as sim_main
+    from icecache.sim.cli import main as sim_main
 
     return sim_main(argv)
 
 
 def _calibrate(argv: list[str]) -> int:
-    from icecache.sim.__main__ import main as sim_main
+    from icecache.measure.calibrate import main as calibrate_main
 
-    return sim_main(["calibrate", *argv])
+    return calibrate_main(argv)
 
 
 #: Leading words -> the entry point that parses the rest itself.

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from icecache.core.errors import ConfigError, InputError
-from icecache.sim.costs import ExtrapolationError
+from icecache.sim.predictors import ExtrapolationError
 from icecache.sim.hitrate import (
     ParametricHitModel,
     PriorHitModel,

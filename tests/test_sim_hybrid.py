@@ -9,8 +9,10 @@ import pytest
 from icecache.core.errors import ConfigError
 from icecache.sim.hardware import get_hardware, make_costs
 from icecache.sim.hitrate import HitStats
-from icecache.sim.model import SimConfig, device_kv_bytes_by_role, layer_roles, plan_prefill, simulate
-from icecache.sim.shapes import ModelShape, get_shape, register_shape, shape_from_config, shape_from_dict, shape_to_dict
+from icecache.sim.config import SimConfig, layer_roles
+from icecache.sim.model import device_kv_bytes_by_role, simulate
+from icecache.sim.plans import plan_prefill
+from icecache.sim.shapes import get_shape, register_shape, shape_from_config, shape_from_dict, shape_to_dict
 from icecache.sim.testing import synthetic_profile
 
 GEMMA = get_shape("gemma-3-270m")
@@ -84,7 +86,7 @@ def test_without_sliding_layers_nothing_changes(profile):
     llama = get_shape("llama-3.1-8b")
     assert llama.sliding_layers == () and llama.global_layers == tuple(range(32))
     assert llama.full_kv_bytes(1000, 2) == 1000 * llama.kv_bytes_per_token(2)
-    assert layer_roles(llama, "icecache", 2) == ("dense",) * 2 + ("sparse",) * 30
+    assert layer_roles(llama, "icecache", (0, 1)) == ("dense",) * 2 + ("sparse",) * 30
     # and a window wider than the context makes full KV of the hybrid model the all-global model exactly
     costs = _costs("this-machine", profile)
     for n in (1000, 6000):
@@ -107,9 +109,9 @@ def test_sliding_layers_attend_over_their_window_only(profile):
 def test_device_kv_of_sliding_layers_is_their_window(profile):
     per = GEMMA.kv_bytes_per_token_layer(4)
     for variant in ("full", "icecache"):
-        big = device_kv_bytes_by_role(SimConfig(GEMMA.name, "this-machine", variant, 8000, dense_layers=0), 4, None)
+        big = device_kv_bytes_by_role(SimConfig(GEMMA.name, "this-machine", variant, 8000, dense_layers=()), 4, None)
         assert big["sliding"] == 15 * 512 * per
-        small = device_kv_bytes_by_role(SimConfig(GEMMA.name, "this-machine", variant, 300, budget=64, dense_layers=0, new_tokens=2), 4, None)
+        small = device_kv_bytes_by_role(SimConfig(GEMMA.name, "this-machine", variant, 300, budget=64, dense_layers=(), new_tokens=2), 4, None)
         assert small["sliding"] == 15 * 301 * per
     full = simulate(SimConfig(GEMMA.name, "this-machine", "full", 8000, new_tokens=2), _costs("this-machine", profile), with_prefill=False)
     assert full.full_kv_bytes == full.device_kv_bytes == (15 * 512 + 3 * 8001) * per
@@ -117,17 +119,17 @@ def test_device_kv_of_sliding_layers_is_their_window(profile):
 
 def test_icecache_runs_on_the_global_layers_only(profile):
     costs = _costs("this-machine", profile)
-    cfg = SimConfig(GEMMA.name, "this-machine", "icecache", 8000, budget=256, page_size=16, dense_layers=0, threads=2, new_tokens=2)
-    assert layer_roles(GEMMA, "icecache", 0).count("sparse") == 3
-    assert layer_roles(GEMMA, "icecache", 2) == layer_roles(GEMMA, "icecache", 0)  # layers 0, 1 are sliding anyway
-    assert layer_roles(GEMMA, "icecache", 6)[5] == "dense"
+    cfg = SimConfig(GEMMA.name, "this-machine", "icecache", 8000, budget=256, page_size=16, dense_layers=(), threads=2, new_tokens=2)
+    assert layer_roles(GEMMA, "icecache", ()).count("sparse") == 3
+    assert layer_roles(GEMMA, "icecache", (0, 1)) == layer_roles(GEMMA, "icecache", ())  # layers 0, 1 are sliding anyway
+    assert layer_roles(GEMMA, "icecache", tuple(range(6)))[5] == "dense"
     res = simulate(cfg, costs, Fixed(0.5), with_prefill=False)
     mid = 8001 - 4 - 64
     assert res.bytes_per_step == pytest.approx(3 * 1 * (256 / 16) * 0.5 * GEMMA.page_bytes(16, 4))
     assert res.host_kv_bytes == 3 * mid * GEMMA.kv_bytes_per_token_layer(4)
     pre = plan_prefill(cfg, costs)
-    assert [l for l, pl in enumerate(pre.layers) if pl.build_jobs] == [5, 11, 17]
-    assert all(pl.offload_s == 0 for l, pl in enumerate(pre.layers) if l not in (5, 11, 17))
+    assert [layer for layer, pl in enumerate(pre.layers) if pl.build_jobs] == [5, 11, 17]
+    assert all(pl.offload_s == 0 for layer, pl in enumerate(pre.layers) if layer not in (5, 11, 17))
     # the all-global model offloads and indexes all 18 layers: more select work, same per-layer cost
     allg = simulate(cfg.replace(model=ALL_GLOBAL.name), costs, Fixed(0.5), with_prefill=False)
     assert allg.stages["select"] == pytest.approx(res.stages["select"] * 18 / 3, rel=1e-9)

@@ -9,36 +9,26 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from icecache.core.errors import ConfigError, UnknownNameError
-from icecache.sim.costs import flowline_makespan_s, pool_makespan_s
+from icecache.sim.closed_forms import flowline_makespan_s, pool_makespan_s
+from icecache.sim.config import SimConfig
+from icecache.sim.engine import STAGES, simulate_request, simulate_step
 from icecache.sim.hardware import get_hardware, make_costs
 from icecache.sim.hitrate import HitStats, synthetic_trace
-from icecache.sim.model import (
-    STAGES,
-    LayerPlan,
-    PrefillLayer,
-    PrefillPlan,
-    SimConfig,
-    StepPlan,
-    _groups,
-    component_plan,
-    parse_tokens,
-    simulate,
-    simulate_request,
-    simulate_step,
-)
+from icecache.sim.model import simulate
+from icecache.sim.plans import LayerPlan, PrefillLayer, PrefillPlan, StepPlan, component_plan, reuse_groups
 from icecache.sim.testing import synthetic_profile
 
 times = st.floats(min_value=1e-5, max_value=1e-2, allow_nan=False)
 
 
 def _sparse_plan(n_layers: int, t: dict, jobs: int, threads: int, shared: bool = False, reuse: int = 1, prefetch: bool = True) -> StepPlan:
-    groups, index_of = _groups(range(n_layers), reuse, "icecache-r" if reuse > 1 else "icecache")
+    groups, index_of = reuse_groups(range(n_layers), reuse, "icecache-r" if reuse > 1 else "icecache")
     layers = tuple(
-        LayerPlan("sparse", selects=index_of[l] == l, compute_s=t["compute"], attend_s=t["attend"],
-                  insert_jobs=jobs if index_of[l] == l else 0, insert_job_s=t["insert"],
-                  select_jobs=jobs if index_of[l] == l else 0, select_job_s=t["select"],
+        LayerPlan("sparse", selects=index_of[layer] == layer, compute_s=t["compute"], attend_s=t["attend"],
+                  insert_jobs=jobs if index_of[layer] == layer else 0, insert_job_s=t["insert"],
+                  select_jobs=jobs if index_of[layer] == layer else 0, select_job_s=t["select"],
                   gather_s=t["gather"], copy_s=t["copy"], scatter_s=t["scatter"])
-        for l in range(n_layers)
+        for layer in range(n_layers)
     )
     return StepPlan(layers, t["head"], t["other"], threads, 1.0, shared, prefetch, groups, index_of)
 
@@ -102,10 +92,10 @@ def test_paper_breakdown_is_reproduced_from_its_component_times():
     assert res.busy["select"] == pytest.approx(0.05) and res.busy["compute"] == pytest.approx(0.04)
     assert res.busy["gather"] == pytest.approx(0.015) and res.busy["other"] == pytest.approx(0.005)
     # reuse: the selection of one layer serves the next 3, and their pages load while earlier layers compute
-    reuse = simulate_step(component_plan(layers=32, select_s=0.05, decode_s=0.04, load_s=0.015, other_s=0.005, reuse=4))
+    reuse = simulate_step(component_plan(layers=32, select_s=0.05, decode_s=0.04, load_s=0.015, other_s=0.005, reuse_every=4))
     assert reuse.seconds == pytest.approx(0.06, rel=0.05)
     # without the prefetch edges the same reuse saves only the skipped queries
-    no_pf = simulate_step(component_plan(layers=32, select_s=0.05, decode_s=0.04, load_s=0.015, other_s=0.005, reuse=4, prefetch=False))
+    no_pf = simulate_step(component_plan(layers=32, select_s=0.05, decode_s=0.04, load_s=0.015, other_s=0.005, reuse_every=4, prefetch=False))
     assert no_pf.seconds == pytest.approx(0.11 - 0.05 * 3 / 4, rel=1e-9)
     assert reuse.seconds < no_pf.seconds
 
@@ -165,8 +155,8 @@ def test_reuse_runs_one_query_in_r_layers_and_prefetch_overlaps(profile):
     costs = _costs("a100", profile)
     cfg = SimConfig("llama-3.1-8b", "a100", "icecache", 36_000, threads=64, impl="paper")
     base = simulate(cfg, costs, with_prefill=False)
-    r = simulate(cfg.replace(variant="icecache-r", reuse=5), costs, with_prefill=False)
-    sparse = 32 - cfg.dense_layers
+    r = simulate(cfg.replace(variant="icecache-r", reuse_every=5), costs, with_prefill=False)
+    sparse = 32 - len(cfg.dense_layers)
     assert r.stages["select"] == pytest.approx(base.stages["select"] * math.ceil(sparse / 5) / sparse, rel=1e-9)
     assert r.tpot_s < sum(r.stages.values())  # overlapping stages
     assert r.tpot_s < base.tpot_s
@@ -230,8 +220,10 @@ def test_device_memory_feasibility(profile):
         (dict(threads=0), ConfigError),
         (dict(budget=-1), ConfigError),
         (dict(budget=5000, context=4000), ConfigError),
-        (dict(dense_layers=40), ConfigError),
-        (dict(reuse=0), ConfigError),
+        (dict(dense_layers=(0, 40)), ConfigError),
+        (dict(dense_layers=(-1,)), ConfigError),
+        (dict(dense_layers=2), ConfigError),  # a count, as SimConfig once took: refused, layer 2 is not "two layers"
+        (dict(reuse_every=0), ConfigError),
     ],
 )
 def test_bad_configs_raise_clear_errors(kw, err):
@@ -242,10 +234,24 @@ def test_bad_configs_raise_clear_errors(kw, err):
     assert any(str(v) in str(exc.value) for v in kw.values()) or "budget" in str(exc.value)
 
 
-def test_parse_tokens():
-    assert parse_tokens("36k") == 36_000 and parse_tokens("1m") == 1_000_000 and parse_tokens("4096") == 4096
-    with pytest.raises(ConfigError):
-        parse_tokens("lots")
+def test_sim_config_speaks_the_runtime_configs_language():
+    """The fields both configurations have mean the same and default the same (issue 21: reuse 4 vs 1, a count vs
+    a tuple of dense layers)."""
+    import dataclasses
+
+    from icecache.core.config import IceCacheConfig
+
+    sim = {f.name: f.default for f in dataclasses.fields(SimConfig)}
+    run = {f.name: f.default for f in dataclasses.fields(IceCacheConfig)}
+    for name in ("budget", "page_size", "sink", "window", "dense_layers", "reuse_every", "trace"):
+        assert sim[name] == run[name], name
+    cfg = SimConfig("llama-3.1-8b", "a100", "icecache", 36_000, dense_layers=[5, 0, 5])
+    assert cfg.dense_layers == (0, 5) == IceCacheConfig(dense_layers=[5, 0, 5]).dense_layers
+    from icecache.sim.config import layer_roles
+    from icecache.sim.shapes import get_shape
+
+    roles = layer_roles(get_shape("llama-3.1-8b"), "icecache", cfg.dense_layers)
+    assert [i for i, r in enumerate(roles) if r == "dense"] == [0, 5] and roles.count("sparse") == 30
 
 
 def test_stage_names_are_the_reported_ones(profile):
@@ -257,7 +263,7 @@ def test_stage_names_are_the_reported_ones(profile):
 
 # ------------------------------------------------------------------------------ the runtime implementation
 def _runtime_plan(n_layers: int, t: dict, heads: int, threads: int, shared: bool, share: float = 1.0) -> StepPlan:
-    groups, index_of = _groups(range(n_layers), 1, "icecache")
+    groups, index_of = reuse_groups(range(n_layers), 1, "icecache")
     layers = tuple(
         LayerPlan("sparse", selects=True, compute_s=t["compute"], attend_s=t["attend"], insert_jobs=heads, insert_job_s=t["insert"],
                   select_jobs=heads, select_job_s=t["select"], append_s=t["append"], other_s=t["bookkeep"], overhead_s=t["overhead"],
@@ -351,7 +357,7 @@ def test_gather_calls_default_to_one_per_kv_head_with_new_tokens(profile):
     cfg = SimConfig("smollm2", "this-machine", "quest", 4000, budget=256, page_size=16, threads=2)
     one = simulate(cfg.replace(gather_calls=1), costs, with_prefill=False)
     auto = simulate(cfg, costs, with_prefill=False)
-    sparse = 30 - cfg.dense_layers
+    sparse = 30 - len(cfg.dense_layers)
     intercept = profile.predictors["gather"].params[0]
     assert auto.stages["gather"] - one.stages["gather"] == pytest.approx(sparse * (3 - 1) * intercept, rel=1e-9)
 
@@ -373,14 +379,15 @@ def test_measured_inline_prefill_jobs_replace_the_pool_model_on_a_shared_machine
     the caller, so TTFT is the serial sum of compute, those and the LM head; without it, unchanged."""
     import dataclasses
 
-    from icecache.sim.costs import MeasuredCosts, Predictor
-    from icecache.sim.model import plan_prefill
+    from icecache.sim.cost_models import MeasuredCosts
+    from icecache.sim.plans import plan_prefill
+    from icecache.sim.predictors import Predictor
     from icecache.sim.testing import synthetic_profile
 
     base = synthetic_profile()
     inline = Predictor("prefill_inline/sequential", "power", ("n",), (0.0, 1e-6, 1.0), (100.0,), (4000.0,))
     prof = dataclasses.replace(base, predictors={**base.predictors, inline.name: inline})
-    cfg = SimConfig("smollm2-135m-instruct", "this-machine", "quest", 2000, budget=64, page_size=16, threads=1, dense_layers=2)
+    cfg = SimConfig("smollm2-135m-instruct", "this-machine", "quest", 2000, budget=64, page_size=16, threads=1, dense_layers=(0, 1))
     costs, plain = MeasuredCosts(prof, extrapolation="allow"), MeasuredCosts(base, extrapolation="allow")
     plan = plan_prefill(cfg, costs)
     mid = 2000 - cfg.sink - cfg.window

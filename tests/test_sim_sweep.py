@@ -9,9 +9,11 @@ import sys
 import pytest
 
 from icecache.core.errors import ConfigError, UnknownNameError
-from icecache.sim.__main__ import main
-from icecache.sim.model import SimConfig
-from icecache.sim.sweep import SweepSpec, Simulator, crossovers, find_crossover, parse_contexts, run_configs
+from icecache.sim.cli import main
+from icecache.sim.config import SimConfig
+from icecache.sim.crossover import crossovers, find_crossover
+from icecache.sim.simulator import Simulator
+from icecache.sim.sweep import SweepSpec, parse_contexts, run_configs
 from icecache.sim.testing import synthetic_profile
 
 
@@ -82,19 +84,19 @@ def test_bisection_crossover_agrees_with_the_grid():
 def test_host_scale_matching_reproduces_the_asked_tpot():
     import dataclasses
 
-    from icecache.sim.sweep import _scale_matching
+    from icecache.sim.crossover import scale_matching
 
     prof = synthetic_profile()
     sim = Simulator(prof)
     cfg = SimConfig("qwen3-4b", "h100", "icecache", 36_000, threads=64, impl="paper")
     base = sim.run(cfg, with_prefill=False).tpot_s
     scale0 = sim.costs("h100-sxm").host_time_scale
-    s = _scale_matching(sim, prof, None, "allow", cfg, base * 1.5)
+    s = scale_matching(sim, cfg, base * 1.5)
     assert s > scale0
-    alt = Simulator(prof)
-    alt._costs["h100-sxm"] = dataclasses.replace(sim.costs("h100-sxm"), host_time_scale=s)
+    alt = sim.with_costs("h100", dataclasses.replace(sim.costs("h100-sxm"), host_time_scale=s))
     assert alt.run(cfg, with_prefill=False).tpot_s == pytest.approx(base * 1.5, rel=1e-6)
-    assert math.isnan(_scale_matching(sim, prof, None, "allow", cfg, base * 1e6))  # unreachable: no scale
+    assert sim.costs("h100-sxm").host_time_scale == scale0  # the what-if leaves the simulator as it was
+    assert math.isnan(scale_matching(sim, cfg, base * 1e6))  # unreachable: no scale
 
 
 def test_sweep_command_writes_csv_markdown_and_plots(tmp_path, capsys):
@@ -142,16 +144,14 @@ def test_hardware_and_models_listings(capsys):
 
 
 def test_crossings_find_a_window_where_the_variant_wins():
-    from icecache.sim.sweep import SelectGrowth, crossings
+    from icecache.sim.crossover import SelectGrowth, crossings
 
     prof = synthetic_profile()
     sim = Simulator(prof)
     cfg = SimConfig("qwen3-4b", "h100", "icecache", 100_000, threads=64, impl="paper")
     base = sim.costs("h100-sxm")
-    steep = Simulator(prof)
-    steep._costs["h100-sxm"] = SelectGrowth(base, 1_000_000, 2.0)  # index queries outgrow attention past 1M
+    steep = sim.with_costs("h100-sxm", SelectGrowth(base, 1_000_000, 2.0))  # index queries outgrow attention past 1M
     cr = crossings(steep, cfg)
     assert [d for _, d in cr] == ["faster", "slower"] and cr[0][0] < cr[1][0]
-    flat = Simulator(prof)
-    flat._costs["h100-sxm"] = SelectGrowth(base, 36_000, 0.0)
+    flat = sim.with_costs("h100-sxm", SelectGrowth(base, 36_000, 0.0))
     assert find_crossover(flat, cfg) <= find_crossover(sim, cfg)  # a context-free query cost crosses no later

@@ -8,9 +8,9 @@ import math
 import pytest
 
 from icecache.core.errors import ConfigError, InputError
-from icecache.sim.__main__ import main
-from icecache.sim.model import SimConfig
-from icecache.sim.sweep import Simulator
+from icecache.sim.cli import main
+from icecache.sim.config import SimConfig
+from icecache.sim.simulator import Simulator
 from icecache.sim.testing import synthetic_profile
 from icecache.sim.validate import (
     MeasuredRun,
@@ -133,7 +133,7 @@ def test_validate_command(tmp_path, capsys, sim):
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from icecache.sim.validate import MeasuredRun, kendall_tau, repeat_noise, resolved_tau  # noqa: E402
+from icecache.sim.validate import repeat_noise, resolved_tau  # noqa: E402
 
 
 @settings(max_examples=60, deadline=None)

@@ -34,7 +34,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
-from icecache.sim.costs import CalibrationProfile, MeasuredCosts  # noqa: E402
+from icecache.sim.cost_models import MeasuredCosts  # noqa: E402
+from icecache.sim.profile import CalibrationProfile  # noqa: E402
 from icecache.sim.shapes import shape_from_config  # noqa: E402
 
 # The tiny soak's cache configuration (experiments/soak.py), for soak files written before runs recorded theirs.
@@ -103,7 +104,7 @@ def main() -> int:
     if args.calibrate_tiny:
         if not args.tiny_profile:
             raise SystemExit("--calibrate-tiny needs --tiny-profile PATH to write")
-        from icecache.sim.calibrate import CalibrationSettings, run_calibration
+        from icecache.measure.calibrate import CalibrationSettings, run_calibration
 
         sizes = (1024, 2048, 4096, 8192, 16384, 24000)
         settings = CalibrationSettings(qk_tokens=24600, pager_sizes=sizes, page_sizes=(PAGE,), budgets=(BUDGET,),
@@ -117,7 +118,7 @@ def main() -> int:
     tiny_profile = CalibrationProfile.load(profile_path)
     if args.tiny_profile and not any(k.startswith("step_decode/") for k in tiny_profile.predictors):
         # profiles written before the whole decode step had its predictor: fit it from the stored samples
-        from icecache.sim.calibrate import fit_profile_predictors
+        from icecache.measure.fitting import fit_profile_predictors
 
         fitted = fit_profile_predictors(tiny_profile.samples, tiny_profile.meta.get("statistic", "p25"))
         tiny_profile.predictors.update({k: v for k, v in fitted.items() if k.startswith("step_decode/")})

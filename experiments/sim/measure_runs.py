@@ -1,16 +1,18 @@
 """Measure real runs of the runtime for `python -m icecache.sim validate` (and record selection traces).
 
-    .venv/bin/python experiments/sim/measure_runs.py --out experiments/sim/measured_runs.jsonl \
-        --traces-dir experiments/sim/traces --repeats 2           # about 45 min on 2 cores
-    .venv/bin/python experiments/sim/measure_runs.py --quick      # 8 runs, a few minutes
-    .venv/bin/python -m icecache.sim validate --runs experiments/sim/measured_runs.jsonl \
-        --hit experiments/sim/traces/*.jsonl --out experiments/sim/validation.md
+    .venv/bin/python experiments/sim/measure_runs.py --out icecache/sim/data/measured_runs.jsonl \
+        --raw experiments/sim/measured_runs.raw.jsonl --traces-dir experiments/sim/traces --repeats 2   # ~45 min, 2 cores
+    .venv/bin/python experiments/sim/measure_runs.py --quick --out /tmp/runs.jsonl   # 8 runs, a few minutes
+    .venv/bin/python -m icecache.sim validate --runs /tmp/runs.jsonl --hit experiments/sim/traces/*.jsonl.gz --out /tmp/validation.md
+
+``icecache/sim/data/measured_runs.jsonl`` is the runs file the package ships (``python -m icecache.sim validate``
+scores it by default).
 
 One JSON line per run, the format `icecache.sim.validate.MeasuredRun` reads; ``stage_seconds`` are per decode
 step (cumulative stats divided by ``steps``). After one warm-up generation per variant (JIT compilation,
 allocator), the grid is measured ``--repeats`` times, in rounds, each round in its own shuffled order, so the
-machine's slow drift does not line up with the grid; every run goes to ``<out>.raw.jsonl`` as it finishes
-(``--resume`` continues from it) and ``<out>`` gets one row per configuration: the medians over its repeats.
+machine's slow drift does not line up with the grid; every run goes to ``--raw`` (default ``<out>.raw.jsonl``) as
+it finishes (``--resume`` continues from it) and ``<out>`` gets one row per configuration: the medians over its repeats.
 """
 
 from __future__ import annotations
@@ -101,7 +103,8 @@ def median_run(reps: list[dict[str, Any]]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="experiments/sim/measured_runs.jsonl")
+    ap.add_argument("--out", required=True, help="the runs file (one row per configuration) to write")
+    ap.add_argument("--raw", default=None, help="every run as it finishes (default: <out>.raw.jsonl)")
     ap.add_argument("--traces-dir", default=None, help="also record one selection trace per sparse configuration")
     ap.add_argument("--variants", default="full,icecache,icecache-r,quest")
     ap.add_argument("--contexts", default="1024,2048,4096,7000")
@@ -112,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0, help="order of the configurations in each round")
     ap.add_argument("--resume", action="store_true",
-                    help="keep the runs already in <out>.raw.jsonl and measure only the rest")
+                    help="keep the runs already in the --raw file and measure only the rest")
     ap.add_argument("--quick", action="store_true", help="contexts 1024,4096; budget 256; page 16; threads 2")
     args = ap.parse_args(argv)
     if args.quick:
@@ -131,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
                 grid += [(v, c, b, p, t) for b, p, t in itertools.product(ints(args.budgets), ints(args.page_sizes), ints(args.threads))]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    raw_path = out.with_name(out.stem + ".raw.jsonl")
+    raw_path = Path(args.raw) if args.raw else out.with_name(out.stem + ".raw.jsonl")
     done: dict[tuple[int, int], dict[str, Any]] = {}  # (round, grid index) -> run
     if args.resume and raw_path.exists():
         for line in raw_path.read_text().splitlines():
@@ -172,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(len(grid)):
             reps = [done[(rnd, i)] for rnd in range(args.repeats)]
             fh.write(json.dumps(median_run(reps)) + "\n")
-    print(f"wrote {out}; median TPOT {statistics.median(json.loads(l)['tpot_s'] for l in out.read_text().splitlines()) * 1e3:.1f} ms")
+    print(f"wrote {out}; median TPOT {statistics.median(json.loads(row)['tpot_s'] for row in out.read_text().splitlines()) * 1e3:.1f} ms")
     return 0
 
 

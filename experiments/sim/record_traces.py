@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import icecache
     from icecache.indexes import make_pager
-    from icecache.sim.calibrate import capture_qk, prompt_ids
+    from icecache.measure.capture import capture_qk, prompt_ids
     from icecache.sim.hitrate import ParametricHitModel, Trace, summarize_trace, write_trace
 
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731

@@ -121,14 +121,14 @@ def build_spec(args: argparse.Namespace, config: Any) -> Any:
         raise ConfigError(str(exc)) from None
 
 
-def run_task_command(args: argparse.Namespace) -> int:
-    """``icecache eval passkey|needle|ppl|longgen``; Ctrl-C keeps and writes the finished rows."""
-    from icecache.cli import _ice_config
+def run_task_command(args: argparse.Namespace, config: Any) -> int:
+    """``icecache eval passkey|needle|ppl|longgen`` with the `IceCacheConfig` of the command line; Ctrl-C
+    keeps and writes the finished rows."""
     from icecache.eval.runner import markdown, run_eval, summarize, write_results
     from icecache.runtime.models import load_model
 
     t0 = time.perf_counter()
-    spec = build_spec(args, _ice_config(args))
+    spec = build_spec(args, config)
     model, tokenizer = load_model(args.model)
     rows: list[dict[str, Any]] = []
     interrupted = False

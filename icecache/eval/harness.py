@@ -8,19 +8,16 @@ the cost. Decoding is a plain greedy loop (`decode_greedy`) or teacher forcing (
 
 from __future__ import annotations
 
-import contextlib
-import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
-from transformers import AttentionInterface, DynamicCache
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers import DynamicCache
 
-from icecache.runtime.attention import ATTENTION_NAME, icecache_attention, register
+from icecache.measure.capture import attention_impl, recording
+from icecache.runtime.attention import ATTENTION_NAME, register
 
-_CAPTURE_NAME = "icecache_obs_capture"
+__all__ = ["Prefill", "attention_impl", "run_prefill", "clone_kv", "decode_greedy", "decode_forced"]
 
 
 @dataclass
@@ -37,53 +34,14 @@ class Prefill:
         return int(self.input_ids.shape[1])
 
 
-class _QueryCapture:
-    """Attention function that records the last ``window`` prefill queries of each layer, then runs the
-    IceCache/SDPA attention. Registered once; each `run_prefill` points it at its own (thread-local) record,
-    so wrappers installed by other libraries (kvpress patches every registered function) keep working."""
-
-    def __init__(self) -> None:
-        self._local = threading.local()
-
-    def begin(self, window: int) -> dict[int, torch.Tensor]:
-        self._local.window = window
-        self._local.queries = {}
-        return self._local.queries
-
-    def __call__(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-        queries = getattr(self._local, "queries", None)
-        if queries is not None and query.shape[2] > 1:
-            queries[module.layer_idx] = query[0, :, -self._local.window :, :].detach().clone()
-        return icecache_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-
-
-_CAPTURE = _QueryCapture()
-AttentionInterface.register(_CAPTURE_NAME, _CAPTURE)
-AttentionMaskInterface.register(_CAPTURE_NAME, sdpa_mask)
-
-
-@contextlib.contextmanager
-def attention_impl(model: Any, name: str) -> Iterator[None]:
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(name)
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(previous)
-
-
 @torch.inference_mode()
 def run_prefill(model: Any, input_ids: torch.Tensor, obs_window: int = 64) -> Prefill:
-    """Dense prefill of ``input_ids`` ``[1, T]`` with a plain `DynamicCache`."""
-    queries = _CAPTURE.begin(obs_window)
+    """Dense prefill of ``input_ids`` ``[1, T]`` with a plain `DynamicCache`; records the last ``obs_window``
+    queries of every layer (`icecache.measure.capture`, model dtype and device) as ``obs_queries``."""
     kv = DynamicCache()
-    try:
-        with attention_impl(model, _CAPTURE_NAME):
-            out = model(input_ids, past_key_values=kv, use_cache=True, logits_to_keep=1)
-    finally:
-        _CAPTURE.begin(0)
-        _CAPTURE._local.queries = None
-    return Prefill(input_ids=input_ids, kv=kv, last_logits=out.logits[0, -1].float(), obs_queries=queries)
+    with recording(model, last_queries=obs_window, keys=False, values=False, float_cpu=False, min_query_tokens=2) as cap:
+        out = model(input_ids, past_key_values=kv, use_cache=True, logits_to_keep=1)
+    return Prefill(input_ids=input_ids, kv=kv, last_logits=out.logits[0, -1].float(), obs_queries=cap.queries)
 
 
 def clone_kv(kv: DynamicCache) -> DynamicCache:

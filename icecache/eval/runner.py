@@ -57,9 +57,10 @@ class EvalSpec:
 
 
 def parse_length(s: str) -> int:
-    """``"4k"`` -> 4000, ``"8192"`` -> 8192."""
-    s = s.strip().lower()
-    return int(float(s[:-1]) * 1000) if s.endswith("k") else int(s)
+    """``"4k"`` -> 4000, ``"8192"`` -> 8192 (`icecache.core.report.parse_tokens`)."""
+    from icecache.core.report import parse_tokens
+
+    return parse_tokens(s)
 
 
 def wilson(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:

@@ -14,8 +14,9 @@ from __future__ import annotations
 import random
 import re
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Any
+
+from icecache.core.texts import real_text
 
 WORDS = (
     "apple anchor badge basket beacon blossom canyon cedar compass copper crystal dolphin ember falcon fern "
@@ -37,14 +38,6 @@ NEEDLE_QUESTION_ALL = (
     "\nWhat are all the special magic numbers for {key} mentioned in the provided text? "
     "The special magic numbers for {key} mentioned in the provided text are"
 )
-
-
-@lru_cache(maxsize=1)
-def real_text() -> str:
-    """Python's own documentation topics (``pydoc_data.topics``), concatenated in a fixed order."""
-    from pydoc_data.topics import topics
-
-    return "\n\n".join(topics[k] for k in sorted(topics))
 
 
 def text_window(tokenizer: Any, num_tokens: int, seed: int) -> list[int]:

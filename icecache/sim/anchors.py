@@ -38,6 +38,8 @@ class BreakdownAnchor:
     tt2t_reuse_s: float
     assumed: tuple[str, ...]
     source: str
+    #: layers per selection of the ``icecache-r`` prediction (the paper does not say; 4 assumed, see ``assumed``)
+    reuse_every: int = 4
 
 
 @dataclass(frozen=True)

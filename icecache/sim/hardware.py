@@ -24,6 +24,10 @@ from typing import Any, Iterator
 
 from icecache.core.errors import ConfigError, UnknownNameError
 from icecache.sim import anchors
+from icecache.sim.cost_models import GpuCosts, MeasuredCosts
+from icecache.sim.costs import CostModel
+from icecache.sim.predictors import check_policy
+from icecache.sim.profile import CalibrationProfile
 from icecache.sim.shapes import ModelShape, get_shape
 
 
@@ -267,12 +271,12 @@ def get_hardware(name: str, profile: Any = None) -> HardwareProfile:
     key = canonical_hardware(name)
     if key == THIS_MACHINE:
         if profile is None:
-            raise ConfigError("hardware 'this-machine' needs a calibration profile (python -m icecache.sim calibrate)")
+            raise ConfigError("hardware 'this-machine' needs a calibration profile (icecache calibrate)")
         return this_machine(profile)
     return HARDWARE[key]
 
 
-def resolve_host_scale(hw: HardwareProfile, host_costs: Any, pager: str = "mdci") -> tuple[float, str]:
+def resolve_host_scale(hw: HardwareProfile, host_costs: MeasuredCosts, pager: str = "mdci") -> tuple[float, str]:
     """The host time scale of ``hw`` (index work time relative to the measured host) and how it was set.
 
     When the profile names an anchor, the scale makes the predicted DCI time of the anchor configuration
@@ -289,8 +293,6 @@ def resolve_host_scale(hw: HardwareProfile, host_costs: Any, pager: str = "mdci"
     rounds = math.ceil(shape.kv_heads / anchor.threads)
     n_mid = anchor.context - 4 - 64
     notes: list[str] = []
-    from icecache.sim.costs import MeasuredCosts
-
     quiet = MeasuredCosts(host_costs.profile, extrapolation="allow")
     t_here = quiet.select_job_s(shape, pager, n_mid, anchor.budget, anchor.page_size, notes)
     t_paper = anchor.select_s / sparse / rounds
@@ -302,15 +304,13 @@ def resolve_host_scale(hw: HardwareProfile, host_costs: Any, pager: str = "mdci"
     )
 
 
-def make_costs(hw: HardwareProfile, profile: Any, extrapolation: str = "warn", scale_pager: str = "mdci") -> Any:
+def make_costs(hw: HardwareProfile, profile: CalibrationProfile | None, extrapolation: str = "warn", scale_pager: str = "mdci") -> CostModel:
     """The cost model of ``hw``: `MeasuredCosts` for this machine, `GpuCosts` for a GPU server."""
-    from icecache.sim.costs import GpuCosts, MeasuredCosts, check_policy
-
     check_policy(extrapolation)
     if profile is None:
         raise ConfigError(
             f"hardware {hw.name!r} needs a calibration profile for its host-side costs; run "
-            "`python -m icecache.sim calibrate` (or pass --profile)"
+            "`icecache calibrate` (or pass --profile)"
         )
     host = MeasuredCosts(profile, extrapolation=extrapolation)
     if hw.device is None:

@@ -36,7 +36,7 @@ from typing import Any, Iterable, Protocol, Sequence
 import numpy as np
 
 from icecache.core.errors import ConfigError, InputError
-from icecache.sim.costs import ExtrapolationError, ExtrapolationWarning, check_policy
+from icecache.sim.predictors import ExtrapolationError, ExtrapolationWarning, check_policy
 
 RECORD_FIELDS: tuple[str, ...] = ("step", "layer", "kv_head", "pages", "tokens", "new_pages", "bytes")
 QUANTITIES: tuple[str, ...] = ("page_hit_rate", "fill", "budget_use")
@@ -128,16 +128,25 @@ def read_trace(path: str | Path, meta: dict[str, Any] | None = None) -> Trace:
         raise ConfigError(f"no trace file at {p}")
     records: list[dict[str, Any]] = []
     head: dict[str, Any] = {}
-    with open_trace(p) as fh:
-        for i, line in enumerate(fh):
-            line = line.strip()
-            if not line:
-                continue
+    try:
+        with open_trace(p) as fh:
+            lines = list(fh)
+    except (OSError, EOFError, UnicodeDecodeError) as exc:
+        raise InputError(f"cannot read the trace {p} ({exc})") from None
+    for i, line in enumerate(lines):
+        line = line.strip()
+        if not line:
+            continue
+        try:
             obj = json.loads(line)
-            if i == 0 and "meta" in obj and len(obj) == 1:
-                head = dict(obj["meta"])
-                continue
-            records.append(check_record(obj, f"{p.name}:{i + 1} "))
+        except json.JSONDecodeError as exc:
+            raise InputError(f"trace {p.name}:{i + 1} is not JSON ({exc.msg})") from None
+        if not isinstance(obj, dict):
+            raise InputError(f"trace {p.name}:{i + 1} is not a JSON object")
+        if i == 0 and "meta" in obj and len(obj) == 1:
+            head = dict(obj["meta"])
+            continue
+        records.append(check_record(obj, f"{p.name}:{i + 1} "))
     head.update(meta or {})
     return Trace(meta=head, records=records)
 
@@ -233,7 +242,7 @@ def trace_step_loads(trace: Trace) -> dict[int, dict[int, LayerLoad]]:
         a[4] += 1
         a[5] += int(r["bytes"]) > 0
     return {
-        s: {l: LayerLoad(int(a[0]), int(a[1]), int(a[2]), a[3] / a[4], int(a[5])) for l, a in layers.items()}
+        s: {layer: LayerLoad(int(a[0]), int(a[1]), int(a[2]), a[3] / a[4], int(a[5])) for layer, a in layers.items()}
         for s, layers in acc.items()
     }
 
@@ -396,7 +405,12 @@ class ParametricHitModel:
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"no hit model at {p}")
-        return cls.from_dict(json.loads(p.read_text()), extrapolation)
+        try:
+            return cls.from_dict(json.loads(p.read_text()), extrapolation)
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError, ValueError) as exc:
+            if isinstance(exc, ConfigError):
+                raise
+            raise ConfigError(f"{p} is not a fitted hit model ({exc!r})") from None
 
 
 def load_hit_model(paths: Sequence[str | Path], extrapolation: str = "warn") -> HitModel:

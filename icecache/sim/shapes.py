@@ -151,7 +151,7 @@ class ModelShape:
         """K + V bytes a full cache holds at ``context`` tokens: the whole context in global layers, the last
         ``min(context, sliding_window)`` tokens in sliding ones."""
         per = self.kv_bytes_per_token_layer(dtype_bytes)
-        return sum(self.attended_tokens(l, context) for l in range(self.layers)) * per
+        return sum(self.attended_tokens(layer_idx, context) for layer_idx in range(self.layers)) * per
 
     def page_bytes(self, page_size: int, dtype_bytes: int) -> int:
         """Bytes of one page slot (K and V of ``page_size`` tokens, one KV head)."""

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from icecache.sim.costs import CalibrationProfile, Predictor, software_versions
+from icecache.sim.predictors import Predictor
+from icecache.sim.profile import CalibrationProfile
 from icecache.sim.shapes import get_shape, shape_to_dict
 
 
@@ -43,7 +44,7 @@ def synthetic_profile(pagers: tuple[str, ...] = ("mdci", "sequential", "exact"),
     shape = get_shape("smollm2-135m-instruct")
     return CalibrationProfile(
         machine={"cpu_model": "synthetic", "cpu_count": cpu_count, "host": "synthetic"},
-        versions=software_versions(),
+        versions={"python": "synthetic"},
         pager_hashes={},
         created="synthetic",
         predictors=preds,

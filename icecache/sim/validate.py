@@ -1,6 +1,7 @@
 """``python -m icecache.sim validate``: predict measured runs of the runtime and score the predictions.
 
-Input: JSON lines, one measured run each (``experiments/sim/measure_runs.py`` writes them)::
+Input: JSON lines, one measured run each (``experiments/sim/measure_runs.py`` writes them; the runs the package
+ships, ``icecache/sim/data/measured_runs.jsonl`` (`icecache.sim.profile.default_runs_path`), are the default)::
 
     {"variant": "icecache", "model": "smollm2-135m-instruct", "context": 4096, "budget": 256, "page_size": 16,
      "threads": 2, "new_tokens": 32, "tpot_s": 0.061, "tt2t_s": 3.1, "ttft_s": 3.0,
@@ -24,17 +25,20 @@ import dataclasses
 import json
 import math
 import random
+import shlex
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
 from icecache.core.errors import ConfigError, InputError
-from icecache.sim.hitrate import HitModel, HitStats, PriorHitModel, is_trace_path, open_trace
-from icecache.sim.model import SimConfig, SimResult
+from icecache.sim.config import SimConfig
+from icecache.sim.hitrate import HitModel, HitStats, PriorHitModel, is_trace_path, load_hit_model, open_trace
+from icecache.sim.model import SimResult, simulate
+from icecache.sim.simulator import Simulator
 
 RUNTIME_STAGES: tuple[str, ...] = ("select", "gather", "copy", "scatter", "attend", "insert", "other")
-#: Simulator stages summed into each runtime stage. The runtime's timers (`icecache.runtime.timing.StageTimer`)
+#: Simulator stages summed into each runtime stage. The runtime's timers (its `StageTimer`)
 #: cover only the sparse layers' own work: select (the pager queries on the caller's thread), gather / copy /
 #: scatter / other (inside `BulkLoader.load`; "other" is its residency bookkeeping), attend (SDPA over the
 #: layer's device buffer) and insert (the synchronous window insert of `_decode_append`). Projections, MLP, LM
@@ -72,13 +76,16 @@ class MeasuredRun:
         for k in ("tpot_s", "tt2t_s", "ttft_s"):
             if not isinstance(d[k], (int, float)) or not d[k] > 0:
                 raise InputError(f"measured run {where}{k} must be a number > 0, got {d[k]!r}")
-        return cls(
-            variant=str(d["variant"]), model=str(d["model"]), context=int(d["context"]), budget=int(d["budget"]),
-            page_size=int(d["page_size"]), threads=int(d["threads"]), new_tokens=int(d["new_tokens"]),
-            tpot_s=float(d["tpot_s"]), tt2t_s=float(d["tt2t_s"]), ttft_s=float(d["ttft_s"]),
-            stage_seconds={str(k): float(v) for k, v in dict(d["stage_seconds"] or {}).items()},
-            hardware=str(d["hardware"]), extra={k: v for k, v in d.items() if k not in REQUIRED},
-        )
+        try:
+            return cls(
+                variant=str(d["variant"]), model=str(d["model"]), context=int(d["context"]), budget=int(d["budget"]),
+                page_size=int(d["page_size"]), threads=int(d["threads"]), new_tokens=int(d["new_tokens"]),
+                tpot_s=float(d["tpot_s"]), tt2t_s=float(d["tt2t_s"]), ttft_s=float(d["ttft_s"]),
+                stage_seconds={str(k): float(v) for k, v in dict(d["stage_seconds"] or {}).items()},
+                hardware=str(d["hardware"]), extra={k: v for k, v in d.items() if k not in REQUIRED},
+            )
+        except (TypeError, ValueError) as exc:
+            raise InputError(f"measured run {where}has a malformed field ({exc})") from None
 
     def to_dict(self) -> dict[str, Any]:
         d = {k: getattr(self, k) for k in REQUIRED}
@@ -92,11 +99,10 @@ class MeasuredRun:
             model=self.model, hardware=self.hardware, variant=self.variant, context=self.context,
             budget=min(self.budget, self.context), page_size=self.page_size, threads=self.threads, new_tokens=self.new_tokens,
         )
-        for src, dst in (("reuse_every", "reuse"), ("dense_layers", "dense_layers"), ("sink", "sink"), ("window", "window"), ("pager", "pager"),
-                         ("trace", "trace")):
-            if src in self.extra:
-                v = self.extra[src]
-                kw[dst] = len(v) if dst == "dense_layers" and isinstance(v, (list, tuple)) else v
+        for key in ("reuse_every", "dense_layers", "sink", "window", "pager", "trace"):
+            if key in self.extra:
+                v = self.extra[key]
+                kw[key] = tuple(v) if key == "dense_layers" and isinstance(v, list) else v
         kw.update(overrides)
         return SimConfig(**kw)
 
@@ -109,7 +115,13 @@ def read_runs(path: str | Path) -> list[MeasuredRun]:
     runs = []
     for i, line in enumerate(p.read_text().splitlines()):
         if line.strip():
-            runs.append(MeasuredRun.from_dict(json.loads(line), f"{p.name}:{i + 1} "))
+            try:
+                d = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise InputError(f"measured runs {p.name}:{i + 1} is not a JSON object ({exc.msg})") from None
+            if not isinstance(d, dict):
+                raise InputError(f"measured runs {p.name}:{i + 1} is not a JSON object")
+            runs.append(MeasuredRun.from_dict(d, f"{p.name}:{i + 1} "))
     if not runs:
         raise ConfigError(f"{p} holds no runs")
     return runs
@@ -158,10 +170,21 @@ def run_key(d: dict[str, Any]) -> tuple[str, int, int, int, int]:
     return (str(d.get("variant")), int(d.get("context", -1)), int(d.get("budget", -1)), int(d.get("page_size", -1)), int(d.get("threads", -1)))
 
 
+def _trace_meta(p: Path) -> dict[str, Any] | None:
+    """The meta line of the trace file ``p`` (None without one); `ConfigError`/`InputError` when unreadable."""
+    if not p.is_file():
+        raise ConfigError(f"no trace file at {p}")
+    try:
+        with open_trace(p) as fh:
+            first = json.loads(fh.readline() or "{}")
+    except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InputError(f"cannot read the trace {p} ({exc})") from None
+    return first["meta"] if isinstance(first, dict) and isinstance(first.get("meta"), dict) else None
+
+
 def _trace_key(p: Path) -> tuple[str, int, int, int, int] | None:
-    with open_trace(p) as fh:
-        first = json.loads(fh.readline() or "{}")
-    return run_key(first["meta"]) if "meta" in first else None
+    meta = _trace_meta(p)
+    return None if meta is None else run_key(meta)
 
 
 def traced_keys(paths: Sequence[str | Path]) -> set[tuple[str, int, int, int, int]]:
@@ -171,24 +194,21 @@ def traced_keys(paths: Sequence[str | Path]) -> set[tuple[str, int, int, int, in
         p = Path(p)
         if not is_trace_path(p) or not p.is_file():
             continue
-        with open_trace(p) as fh:
-            first = json.loads(fh.readline() or "{}")
-        if "meta" in first:
-            keys.add(run_key(first["meta"]))
+        key = _trace_key(p)
+        if key is not None:
+            keys.add(key)
     return keys
 
 
-def predict_runs(runs: Sequence[MeasuredRun], sim: Any, hit: HitModel | None = None,
+def predict_runs(runs: Sequence[MeasuredRun], sim: Simulator, hit: HitModel | None = None,
                  traced: set[tuple[str, int, int, int, int]] | None = None) -> list[Prediction]:
-    """Simulate every run's configuration (``sim``: `icecache.sim.sweep.Simulator`). A run recorded a selection
+    """Simulate every run's configuration (``sim``: `icecache.sim.simulator.Simulator`). A run recorded a selection
     trace when its row says so (``trace``) or its `run_key` is in ``traced``."""
     out = []
     base = hit or sim.hit or PriorHitModel()
     for r in runs:
         rate = r.extra.get("page_reuse_rate", (r.extra.get("stats") or {}).get("page_reuse_rate"))
         model = _RunHit(base, float(rate)) if rate is not None else base
-        from icecache.sim.model import simulate
-
         over = {} if "trace" in r.extra or traced is None else {"trace": run_key(r.to_dict()) in traced and r.variant != "full"}
         res = simulate(r.config(**over), sim.costs(r.hardware), model)
         # the runtime's TPOT is (end - TTFT) / (new tokens - 1): it includes the first decode step
@@ -395,7 +415,7 @@ class ValidationReport:
         return "\n".join(lines) + "\n"
 
 
-def validate(runs: Sequence[MeasuredRun], sim: Any, rule: str = "context", seed: int = 0, hit: HitModel | None = None,
+def validate(runs: Sequence[MeasuredRun], sim: Simulator, rule: str = "context", seed: int = 0, hit: HitModel | None = None,
              traced: set[tuple[str, int, int, int, int]] | None = None) -> ValidationReport:
     """Predict ``runs``, fit corrections on the calibration split, score the held-out split."""
     preds = predict_runs(runs, sim, hit, traced)
@@ -436,7 +456,7 @@ def validate(runs: Sequence[MeasuredRun], sim: Any, rule: str = "context", seed:
 
 
 def synthetic_runs(
-    configs: Sequence[SimConfig], sim: Any, *, stage_factors: dict[str, float] | None = None, prefill_factor: float = 1.0,
+    configs: Sequence[SimConfig], sim: Simulator, *, stage_factors: dict[str, float] | None = None, prefill_factor: float = 1.0,
     noise: float = 0.0, seed: int = 0, rest_factors: dict[str, float] | None = None,
 ) -> list[MeasuredRun]:
     """Measured runs made from the simulator itself with known distortions (for testing `validate`).
@@ -459,51 +479,48 @@ def synthetic_runs(
             variant=cfg.variant, model=cfg.model, context=cfg.context, budget=cfg.budget, page_size=cfg.page_size,
             threads=cfg.threads, new_tokens=cfg.new_tokens, tpot_s=tpot, tt2t_s=pre + tpot,
             ttft_s=res.ttft_s * prefill_factor, stage_seconds=st, hardware=cfg.hardware,
-            extra={"synthetic": True, "reuse_every": cfg.reuse, "dense_layers": cfg.dense_layers,
+            extra={"synthetic": True, "reuse_every": cfg.reuse_every, "dense_layers": list(cfg.dense_layers),
                    "stats": {"steps": cfg.new_tokens - 1 or 1, "bytes_copied": res.bytes_per_step * (cfg.new_tokens - 1 or 1)}},
         ))
     return out
 
 
-def run_validate_cli(args: Any) -> int:
-    """The ``validate`` command."""
-    from icecache.sim.hitrate import load_hit_model
-    from icecache.sim.sweep import Simulator, load_profile_arg
+def validation_hit_model(runs: Sequence[MeasuredRun], hit_paths: Sequence[str | Path], holdout: str, extrapolation: str
+                         ) -> tuple[HitModel | None, str, set[tuple[str, int, int, int, int]]]:
+    """The hit model of a validation from ``--hit`` files, what to say about it, and the `run_key` of every run
+    that recorded a trace.
 
-    runs = read_runs(args.runs)
-    profile = load_profile_arg(args)
-    hit_paths = [Path(p) for p in (args.hit or [])]
-    traces = [p for p in hit_paths if is_trace_path(p)]
-    hit_note = ""
-    if traces:
-        # the hit model (fill, budget use; each run's measured page reuse replaces its hit rate) is fitted to the
-        # traces of the calibration runs only, so no number of a scored run enters a prediction
-        cal, _ = split_runs(runs, args.holdout)
-        cal_keys = {run_key(runs[i].to_dict()) for i in cal}
-        keep = [p for p in traces if _trace_key(p) in cal_keys] or traces
-        hit_note = (f"hit model: fitted to {len(keep)} of {len(traces)} traces" +
-                    (" (those of the calibration runs)" if len(keep) < len(traces) else " (no calibration run has a trace: all used)"))
-        hit = load_hit_model(keep + [p for p in hit_paths if not is_trace_path(p)], args.extrapolation)
-    else:
-        hit = load_hit_model(hit_paths, args.extrapolation) if hit_paths else None
-    sim = Simulator(profile, hit, args.extrapolation)
-    report = validate(runs, sim, args.holdout, traced=traced_keys(traces))
-    import shlex
+    Traces among ``hit_paths`` are fitted only where they belong to calibration runs of the ``holdout`` split (all
+    of them when none does), so no number of a scored run enters a prediction; each run's measured page reuse
+    still replaces the hit rate (`predict_runs`)."""
+    paths = [Path(p) for p in hit_paths]
+    traces = [p for p in paths if is_trace_path(p)]
+    if not traces:
+        return (load_hit_model(paths, extrapolation) if paths else None), "", set()
+    cal, _ = split_runs(runs, holdout)
+    cal_keys = {run_key(runs[i].to_dict()) for i in cal}
+    keep = [p for p in traces if _trace_key(p) in cal_keys] or traces
+    note = (f"hit model: fitted to {len(keep)} of {len(traces)} traces" +
+            (" (those of the calibration runs)" if len(keep) < len(traces) else " (no calibration run has a trace: all used)"))
+    return load_hit_model(keep + [p for p in paths if not is_trace_path(p)], extrapolation), note, traced_keys(traces)
 
-    argv = list(getattr(args, "argv", None) or [])
-    shown = [a for a in argv if not is_trace_path(a) or a == args.runs]
-    if len(shown) < len(argv):  # many trace files (a shell glob): name their folders, not every file
-        globs = sorted({f"{Path(a).parent}/*{''.join(Path(a).suffixes[-2:])}" for a in argv if is_trace_path(a) and a != args.runs})
+
+def recorded_command(argv: Sequence[str], runs_arg: str | None = None) -> str:
+    """The command a validation report records: ``argv`` with many trace files (a shell glob) named by their
+    folders and suffix instead of file by file (``runs_arg``, the ``--runs`` file, is kept as given)."""
+    argv = list(argv)
+    shown = [a for a in argv if not is_trace_path(a) or a == runs_arg]
+    if len(shown) < len(argv):
+        globs = sorted({f"{Path(a).parent}/*{''.join(Path(a).suffixes[-2:])}" for a in argv if is_trace_path(a) and a != runs_arg})
         at = shown.index("--hit") + 1 if "--hit" in shown else len(shown)
         shown[at:at] = globs
-    cmd = "python -m icecache.sim " + " ".join(a if "*" in a else shlex.quote(a) for a in shown)
-    report.notes = [n for n in (f"command: `{cmd}`", hit_note) if n]
-    md = report.to_markdown()
-    print(md)
-    if args.out:
-        p = Path(args.out)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(md)
-        p.with_suffix(".json").write_text(json.dumps(report.to_dict(), indent=1, default=str))
-        print(f"wrote {p} and {p.with_suffix('.json')}")
-    return 0
+    return "python -m icecache.sim " + " ".join(a if "*" in a else shlex.quote(a) for a in shown)
+
+
+def write_report(report: ValidationReport, out: str | Path) -> tuple[Path, Path]:
+    """``out`` (Markdown) and the JSON next to it (same name, ``.json``)."""
+    p = Path(out)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(report.to_markdown())
+    p.with_suffix(".json").write_text(json.dumps(report.to_dict(), indent=1, default=str))
+    return p, p.with_suffix(".json")

@@ -99,16 +99,15 @@ def _run_local(spec: Any, out: Path, progress: bool) -> list[dict[str, Any]]:
     return run_ruler(model, tokenizer, spec, out, progress=progress)
 
 
-def run_command(args: argparse.Namespace) -> int:
-    """Entry point of ``icecache eval ruler`` (see the module docstring)."""
+def run_command(args: argparse.Namespace, config: Any) -> int:
+    """Entry point of ``icecache eval ruler`` (see the module docstring), with the command line's
+    `IceCacheConfig`."""
     from icecache.eval.ruler import TASKS
     from icecache.eval.ruler.runner import PredictionLog
 
     if not args.out:
         raise ConfigError("eval ruler needs --out DIR (predictions are appended there, and a re-run resumes)")
-    from icecache.cli import _ice_config
-
-    spec = spec_from_args(args, _ice_config(args))
+    spec = spec_from_args(args, config)
     out = Path(args.out)
     PredictionLog(out, spec.signature())  # refuses a directory that holds another run, before any model loads
     t0 = time.perf_counter()

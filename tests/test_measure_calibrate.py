@@ -1,4 +1,4 @@
-"""The calibration harness (on the tiny random Llama; the real model is timed by `python -m icecache.sim calibrate`)."""
+"""The calibration harness (on the tiny random Llama; the real model is timed by `icecache calibrate`)."""
 
 from __future__ import annotations
 
@@ -6,22 +6,16 @@ import pytest
 import torch
 
 from icecache.core.errors import ConfigError
-from icecache.sim.calibrate import (
-    CalibrationSettings,
-    KeyPool,
-    capture_qk,
-    fit_profile_predictors,
-    interleaved,
-    measure_decode_index,
-    measure_decode_step,
-    measure_pager,
-    measure_runtime_layer,
-    pool_efficiency,
-    run_calibration,
-)
-from icecache.sim.costs import CalibrationProfile
+from icecache.measure.calibrate import CalibrationSettings, main, run_calibration
+from icecache.measure.capture import capture_qk
+from icecache.measure.components import measure_decode_step, measure_runtime_layer
+from icecache.measure.fitting import fit_profile_predictors, pool_efficiency
+from icecache.measure.pagers import KeyPool, measure_decode_index, measure_pager
+from icecache.measure.timing import interleaved
+from icecache.sim.config import SimConfig
 from icecache.sim.hardware import get_hardware, make_costs
-from icecache.sim.model import SimConfig, simulate
+from icecache.sim.model import simulate
+from icecache.sim.profile import CalibrationProfile
 from icecache.sim.shapes import register_shape, shape_from_config
 
 
@@ -34,18 +28,6 @@ def test_interleaved_rounds_time_every_function():
 def test_decode_step_leaves_the_cache_at_its_length(tiny_llama):
     rows = measure_decode_step(tiny_llama, (8, 32), reps=2)
     assert [r["context"] for r in rows] == [8, 32] and all(len(r["seconds"]) == 2 for r in rows)
-
-
-def test_captured_keys_and_queries_are_the_models(tiny_llama):
-    ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(0))
-    q, k = capture_qk(tiny_llama, ids)
-    assert q.shape == (4, 8, 24, 16) and k.shape == (4, 2, 24, 16)
-    with torch.inference_mode():
-        out = tiny_llama(input_ids=ids, use_cache=True)
-    assert torch.allclose(k[1], out.past_key_values.layers[1].keys[0].float())
-    # the captured post-RoPE queries reproduce the model's attention scores: causal softmax of q.k rows sums to 1
-    att = torch.softmax((q[0, 0] @ k[0, 0].T).masked_fill(torch.ones(24, 24).triu(1).bool(), float("-inf")), -1)
-    assert torch.allclose(att.sum(-1), torch.ones(24))
 
 
 def test_pager_and_loader_measurements_fit(tiny_llama):
@@ -84,7 +66,7 @@ def test_decode_index_timing_scales_select_and_replaces_insert():
     """select_job_s = round-robin select(n, B, P) x select_decode(n) / select(n, B0, P0); insert from insert_decode."""
     import dataclasses
 
-    from icecache.sim.costs import MeasuredCosts
+    from icecache.sim.cost_models import MeasuredCosts
     from icecache.sim.shapes import get_shape
     from icecache.sim.testing import synthetic_profile
 
@@ -150,15 +132,14 @@ def test_quick_calibration_end_to_end(tiny_llama, tmp_path):
     assert back.meta["shape"]["layers"] == 4 and back.samples["decode_step"]
     register_shape(shape_from_config(tiny_llama.config, "tiny-llama"))
     costs = make_costs(get_hardware("this-machine", prof), prof, "allow")
-    res = simulate(SimConfig("tiny-llama", "this-machine", "quest", 200, budget=32, page_size=8, threads=2, dense_layers=1), costs)
+    res = simulate(SimConfig("tiny-llama", "this-machine", "quest", 200, budget=32, page_size=8, threads=2, dense_layers=(0,)), costs)
     assert res.tpot_s > 0 and res.tt2t_s > res.ttft_s > 0
 
 
 def test_merging_profiles_keeps_what_was_not_remeasured():
     import dataclasses
 
-    from icecache.core.errors import ConfigError
-    from icecache.sim.calibrate import merge_profiles
+    from icecache.measure.calibrate import merge_profiles
     from icecache.sim.testing import synthetic_profile
 
     rows = lambda t: [{"context": 128, "seconds": [t]}, {"context": 8192, "seconds": [2 * t]}]  # noqa: E731
@@ -176,8 +157,6 @@ def test_merging_profiles_keeps_what_was_not_remeasured():
 
 
 def test_prefill_pipeline_fit_takes_each_pagers_cost_over_full_per_job():
-    from icecache.sim.calibrate import fit_profile_predictors
-
     def row(n: int, method: str, ttft: float) -> dict:
         return {"tokens": n, "method": method, "ttft_s": [ttft, ttft * 1.5], "tt2t_s": [ttft + 0.1] * 2, "index_build_s": [0.0] * 2,
                 "sparse_layers": 28, "kv_heads": 3, "sink": 4, "window": 64}
@@ -194,3 +173,40 @@ def test_prefill_pipeline_fit_takes_each_pagers_cost_over_full_per_job():
     assert p.lo == (1024 - 68,) and p.hi == (4096 - 68,)
     for n, t in full.items():
         assert preds["prefill_generate"].formula([n]) == pytest.approx(t, rel=1e-6)
+
+
+def test_calibrate_check_compares_the_recorded_stack_with_the_running_one(tmp_path, capsys):
+    """Pager code hashes and library versions are recorded when measuring and compared by `icecache calibrate
+    --check`, not by the simulator."""
+    import dataclasses
+    import json
+
+    from icecache.indexes import available_pagers
+    from icecache.measure.stack import pager_code_hashes, profile_mismatches, software_versions
+    from icecache.sim.testing import synthetic_profile
+
+    names = [n for n in ("mdci", "sequential") if n in available_pagers()]
+    fresh = dataclasses.replace(synthetic_profile(), versions=software_versions(), pager_hashes=pager_code_hashes(names))
+    assert profile_mismatches(fresh) == []
+    path = fresh.save(tmp_path / "p.json")
+    assert main(["--check", str(path)]) == 0 and "with this stack" in capsys.readouterr().out
+    d = json.loads(path.read_text())
+    d["versions"]["torch"] = "0.0.1"
+    d["pager_hashes"]["sequential"] = "0" * 16
+    d["pager_hashes"]["retired"] = "1" * 16
+    path.write_text(json.dumps(d))
+    assert main(["--check", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "another stack" in out and "torch 0.0.1 then" in out and "pager sequential code changed" in out
+    assert "pager retired no longer registered" in out and "mdci" not in out.split("another stack")[1]
+
+
+def test_calibrate_command_errors_are_one_line(tmp_path, capsys):
+    assert main([]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == ["error: calibrate needs --out PROFILE.json (the file to write), or --check"]
+    (tmp_path / "bad.json").write_text("{nope")
+    assert main(["--check", str(tmp_path / "bad.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not JSON" in err[0]
+    assert main(["--out", str(tmp_path / "x.json"), "--components", "gpu", "--quick"]) == 2
+    assert "unknown calibration components" in capsys.readouterr().err

@@ -1,0 +1,75 @@
+"""Plain-text results: the one token-count parser, CSV writing and Markdown tables (no torch, no numpy).
+
+    >>> parse_tokens("36k"), parse_tokens("1.5k"), parse_tokens("8192"), parse_tokens("1m")
+    (36000, 1500, 8192, 1000000)
+    >>> print(md_table(["method", "recall"], [["mdci", 0.98765], ["exact", float("nan")]]))
+    | method | recall |
+    |---|---|
+    | mdci | 0.9877 |
+    | exact | - |
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from icecache.core.errors import ConfigError
+
+__all__ = ["parse_tokens", "write_csv", "md_table", "format_cell"]
+
+
+def parse_tokens(text: str | int) -> int:
+    """A token count as written on a command line: ``"36k"`` -> 36000, ``"1.5k"`` -> 1500, ``"1m"`` ->
+    1000000, ``"8192"`` -> 8192 (an int passes through). Case and surrounding blanks are ignored; the result is
+    rounded to the nearest integer. Anything else raises `ConfigError`."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    t = str(text).strip().lower()
+    mult = {"k": 1_000, "m": 1_000_000}.get(t[-1:], 1)
+    try:
+        value = float(t[:-1] if mult > 1 else t)
+    except ValueError:
+        raise ConfigError(f"cannot read a token count from {text!r} (examples: 4096, 36k, 1.5k, 1m)") from None
+    if not math.isfinite(value):
+        raise ConfigError(f"cannot read a token count from {text!r} (examples: 4096, 36k, 1.5k, 1m)")
+    return int(round(value * mult))
+
+
+def write_csv(path: str | Path, rows: Sequence[Mapping[str, Any]], *, float_format: str | None = None) -> Path:
+    """Write ``rows`` (dicts) to ``path`` as CSV and return the path.
+
+    Columns: every key of every row, in order of first appearance (a row without a key leaves its cell
+    empty). ``float_format`` (a format spec such as ``".6g"``) formats float cells; None writes ``repr``-exact
+    values. Parent folders are created; an empty ``rows`` writes an empty file.
+    """
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    with p.open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=keys)
+        w.writeheader()
+        for r in rows:
+            if float_format is None:
+                w.writerow(r)
+            else:
+                w.writerow({k: (format(v, float_format) if isinstance(v, float) else v) for k, v in r.items()})
+    return p
+
+
+def format_cell(v: Any) -> str:
+    """A Markdown table cell: floats with 4 significant digits (no exponent from 1e4 up), NaN as ``-``."""
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "-"
+        return f"{v:.4g}" if abs(v) < 1e4 else f"{v:.0f}"
+    return str(v)
+
+
+def md_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A GitHub Markdown table of ``rows`` under ``header`` (cells through `format_cell`)."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(format_cell(v) for v in r) + " |" for r in rows]
+    return "\n".join(lines)
