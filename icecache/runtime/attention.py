@@ -9,6 +9,8 @@ pages + window) after selection and bulk loading. Without an IceCache (a plain `
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -65,3 +67,20 @@ def register() -> None:
     """Register ``"icecache"`` with transformers (idempotent)."""
     AttentionInterface.register(ATTENTION_NAME, icecache_attention)
     AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+
+
+@contextlib.contextmanager
+def use_attention(model: Any, name: str = ATTENTION_NAME) -> Iterator[None]:
+    """Switch ``model`` to the attention implementation ``name`` for the duration of the block.
+
+    The previous implementation is restored on exit, also when the block raises. ``"icecache"`` is registered
+    first if needed; any other name must already be known to transformers (``"sdpa"``, ``"eager"``, ...).
+    """
+    if name == ATTENTION_NAME:
+        register()
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
