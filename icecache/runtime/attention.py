@@ -18,8 +18,10 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from icecache.core.errors import CacheMisuseError
 from icecache.runtime import link
+
+# `import icecache` imports this module and nothing else of ours: `icecache.core` (numba-compiled page tables)
+# loads only when an error is raised.
 
 ATTENTION_NAME = "icecache"
 _UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks")
@@ -49,9 +51,13 @@ def icecache_attention(
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     cache, layer_idx = pending
     if layer_idx != getattr(module, "layer_idx", layer_idx):
+        from icecache.core.errors import CacheMisuseError
+
         raise CacheMisuseError(f"IceCache was updated for layer {layer_idx} but attention runs layer {module.layer_idx}")
     for name in _UNSUPPORTED_KWARGS:
         if kwargs.get(name) is not None:
+            from icecache.core.errors import CacheMisuseError
+
             raise CacheMisuseError(f"IceCache does not support the attention feature {name!r} of this model")
     kind = cache.kind[layer_idx]
     if kind != "sparse" or query.shape[2] > 1:
