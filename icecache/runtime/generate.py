@@ -24,6 +24,7 @@ from icecache.runtime.attention import use_attention
 #: use `icecache.runtime.attention.use_attention`.
 icecache_attention = use_attention
 
+
 @dataclass
 class GenerationResult:
     """The continuation and how long it took (TTFT = prefill + first token; TPOT per vLLM)."""
