@@ -5,34 +5,77 @@
     cfg = icecache.IceCacheConfig(budget=256, page_size=16, sink=4, window=64, index="mdci")
     text = icecache.generate(model, tokenizer, "...", config=cfg, max_new_tokens=32)
     pager = icecache.make_pager("mdci", head_dim=64, page_size=16, seed=0)
+
+Importing the package only registers the ``"icecache"`` attention function with transformers; every name
+below is imported from its module on first use.
 """
 
-from icecache.core.config import IceCacheConfig
-from icecache.core.errors import IceCacheError
-from icecache.core.pager import PageSelection, SemanticPager
-from icecache.core.pages import PageTable
-from icecache.indexes.registry import available_pagers, make_pager, register_pager
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from icecache.runtime.attention import register as _register_attention
-from icecache.runtime.cache import IceCache
-from icecache.runtime.generate import GenerationResult, generate
-from icecache.runtime.models import load_model
 
 _register_attention()  # makes attn_implementation="icecache" available to transformers
 
 __version__ = "0.1.0"
 
+#: public name -> the module that defines it (imported on first access)
+_LAZY = {
+    "IceCacheConfig": "icecache.core.config",
+    "IceCacheError": "icecache.core.errors",
+    "PageSelection": "icecache.core.pager",
+    "SemanticPager": "icecache.core.pager",
+    "PageTable": "icecache.core.pages",
+    "make_pager": "icecache.indexes.registry",
+    "register_pager": "icecache.indexes.registry",
+    "available_pagers": "icecache.indexes.registry",
+    "load_model": "icecache.runtime.models",
+    "IceCache": "icecache.runtime.cache",
+    "generate": "icecache.runtime.generate",
+    "GenerationResult": "icecache.runtime.generate",
+}
+
 __all__ = [
+    "GenerationResult",
+    "IceCache",
     "IceCacheConfig",
     "IceCacheError",
     "PageSelection",
-    "SemanticPager",
     "PageTable",
+    "SemanticPager",
+    "__version__",
+    "available_pagers",
+    "generate",
+    "load_model",
     "make_pager",
     "register_pager",
-    "available_pagers",
-    "load_model",
-    "IceCache",
-    "generate",
-    "GenerationResult",
-    "__version__",
 ]
+
+if TYPE_CHECKING:
+    from icecache.core.config import IceCacheConfig as IceCacheConfig
+    from icecache.core.errors import IceCacheError as IceCacheError
+    from icecache.core.pager import PageSelection as PageSelection
+    from icecache.core.pager import SemanticPager as SemanticPager
+    from icecache.core.pages import PageTable as PageTable
+    from icecache.indexes.registry import available_pagers as available_pagers
+    from icecache.indexes.registry import make_pager as make_pager
+    from icecache.indexes.registry import register_pager as register_pager
+    from icecache.runtime.cache import IceCache as IceCache
+    from icecache.runtime.generate import GenerationResult as GenerationResult
+    from icecache.runtime.generate import generate as generate
+    from icecache.runtime.models import load_model as load_model
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'icecache' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

@@ -51,11 +51,11 @@ def test_bad_heap_policy_is_refused():
 @pytest.mark.parametrize("policy", ["trim", "pin", "none"])
 def test_icecache_applies_its_heap_policy(policy, monkeypatch):
     import torch
+    from conftest import make_tiny_llama
 
     import icecache.runtime.cache as cache_mod
-    from conftest import make_tiny_llama
     from icecache import IceCache, IceCacheConfig
-    from icecache.runtime.generate import icecache_attention
+    from icecache.runtime.attention import use_attention
 
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
     monkeypatch.setattr(malloc, "_applied", None)
@@ -64,7 +64,7 @@ def test_icecache_applies_its_heap_policy(policy, monkeypatch):
     monkeypatch.setattr(cache_mod, "TRIM_EVERY", 4)
     model = make_tiny_llama(seed=0)
     cache = IceCache(model.config, IceCacheConfig(budget=16, page_size=4, window=8, heap_policy=policy))
-    with torch.inference_mode(), icecache_attention(model):
+    with torch.inference_mode(), use_attention(model):
         out = model(torch.randint(3, 100, (1, 40)), past_key_values=cache, use_cache=True)
         tok = out.logits[0, -1].argmax().view(1, 1)
         for _ in range(9):

@@ -52,7 +52,8 @@ def test_embedded_model_smoke(smollm2):
     cfg = model.config
     assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (30, 9, 3, 64)
     assert tok.eos_token_id == 2 and tok.padding_side == "left"
-    res = generate_full(model, tok, "What is the capital of France?", max_new_tokens=12)
+    res = generate_full(model, tok, [{"role": "user", "content": "What is the capital of France?"}], max_new_tokens=12)
+    assert res.chat_template
     assert 1 <= res.new_tokens <= 12
     assert "Paris" in res.text
     # the converted copy is cached with its provenance

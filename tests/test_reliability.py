@@ -3,25 +3,29 @@
 from __future__ import annotations
 
 import gc
-import os
 import json
+import os
 import shutil
 import threading
 import weakref
-from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from conftest import make_tiny_llama
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import icecache
 from icecache import IceCache, IceCacheConfig
-from icecache.core.errors import ConfigError, IceCacheError, InputError, InputTypeError, ModelLoadError
+from icecache.core.errors import (
+    ConfigError,
+    IceCacheError,
+    InputError,
+    InputTypeError,
+    ModelLoadError,
+)
 from icecache.runtime import models
-from icecache.runtime.generate import icecache_attention
-
-from conftest import make_tiny_llama
+from icecache.runtime.attention import use_attention
 
 PAGERS = icecache.available_pagers()
 FUZZ_COUNTER = {"pager_ops": 0, "configs": 0, "cli": 0}
@@ -34,7 +38,7 @@ def _ids(n=120, seed=1):
 
 
 def _generate(model, cache, ids, steps):
-    with icecache_attention(model), torch.no_grad():
+    with use_attention(model), torch.no_grad():
         return model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=steps,
                               do_sample=False, pad_token_id=0)
 
@@ -48,7 +52,7 @@ def test_bulk_loader_failure_surfaces_and_next_generation_works(tiny_llama):
         if length > 125:
             raise RuntimeError("injected bulk-loader failure")
 
-    cache._fault_hooks["load"] = fail
+    cache.inject_fault("load", fail)
     with pytest.raises(RuntimeError, match="injected bulk-loader failure"):
         _generate(tiny_llama, cache, _ids(), 20)
     cache.close()
@@ -66,10 +70,10 @@ def test_keyboard_interrupt_mid_generation_releases_everything(tiny_llama):
         if length == 130 and layer == 2:
             raise KeyboardInterrupt
 
-    cache._fault_hooks["decode"] = interrupt
+    cache.inject_fault("decode", interrupt)
     with pytest.raises(KeyboardInterrupt):
         _generate(tiny_llama, cache, _ids(), 30)
-    buf = weakref.ref(cache.layers[1].buf_k)
+    buf = weakref.ref(cache.layers[1].keys)
     store_pool = weakref.ref(cache.layers[1].stores[0][0].pool)
     cache.close()
     gc.collect()
@@ -126,7 +130,7 @@ def test_corrupt_cached_copy_is_rebuilt(tmp_path, monkeypatch, smollm2):
     with open(weights, "r+b") as f:  # ... then damage it as a crash mid-copy or a full disk would
         f.truncate(good_size // 3)
     with pytest.warns(UserWarning, match="rebuilding it"):
-        model, tok = icecache.load_model()
+        model, _tok = icecache.load_model()
     assert model.config.num_hidden_layers == 30
     assert not list((tmp_path / "cache" / "models").glob(".*tmp*")), "temporary conversion left behind"
     meta = json.loads((dst / "icecache.json").read_text())

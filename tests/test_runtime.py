@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import threading
 
-import numpy as np
 import pytest
 import torch
+from conftest import make_tiny_llama
 from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -14,10 +14,8 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 import icecache
 from icecache import IceCache, IceCacheConfig
 from icecache.core.errors import CacheMisuseError, ConfigError
-from icecache.runtime.generate import icecache_attention
-from icecache.runtime.prefill import BackgroundJobError
-
-from conftest import make_tiny_llama
+from icecache.runtime.attention import use_attention
+from icecache.runtime.workers import BackgroundJobError
 
 PAGERS = icecache.available_pagers()
 
@@ -37,13 +35,13 @@ def prompts(batch: int, lengths=(100, 70), seed: int = 1):
 
 def run(model, ids, mask, cfg=None, steps=32, cache=None):
     """Greedy generate; returns (sequences, logits [steps, B, V], cache)."""
-    kw = dict(max_new_tokens=steps, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    kw = {"max_new_tokens": steps, "do_sample": False, "output_logits": True, "return_dict_in_generate": True, "pad_token_id": 0}
     with torch.no_grad():
         if cfg is None and cache is None:
             out = model.generate(ids, attention_mask=mask, **kw)
             return out.sequences, torch.stack(out.logits), None
         cache = cache if cache is not None else IceCache(model.config, cfg)
-        with icecache_attention(model):
+        with use_attention(model):
             out = model.generate(ids, attention_mask=mask, past_key_values=cache, **kw)
         return out.sequences, torch.stack(out.logits), cache
 
@@ -126,7 +124,7 @@ def test_sequential_pager_matches_independent_quest_reference():
         model.set_attn_implementation("sdpa")
     cfg = IceCacheConfig(index="sequential", budget=budget, page_size=P, sink=S, window=W, dense_layers=())
     seq, logits, cache = run(model, ids, mask, cfg, steps=24)
-    full_seq, full_logits, _ = run(model, ids, mask, steps=24)
+    _, full_logits, _ = run(model, ids, mask, steps=24)
     assert torch.equal(seq, out.sequences)
     assert (logits - torch.stack(out.logits)).abs().max().item() <= 1e-4
     # and the budget really is sparse: the run differs from full attention
@@ -210,9 +208,8 @@ def test_trace_records_every_layer_step(tiny_llama):
 def test_cache_with_sdpa_attention_raises(tiny_llama):
     ids, mask = prompts(1)
     cache = IceCache(tiny_llama.config, IceCacheConfig(index="sequential", dense_layers=()))
-    with pytest.raises(CacheMisuseError, match="set_attn_implementation"):
-        with torch.no_grad():
-            tiny_llama.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    with pytest.raises(CacheMisuseError, match="set_attn_implementation"), torch.no_grad():
+        tiny_llama.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=3, do_sample=False, pad_token_id=0)
     cache.close()
 
 
@@ -230,7 +227,7 @@ def test_wrong_layer_count_and_bad_dense_layers(tiny_llama):
 def test_multi_token_step_after_prefill_raises(tiny_llama):
     cfg = IceCacheConfig(index="sequential", budget=16, sink=4, window=16, dense_layers=())
     ids, _ = prompts(1)
-    with icecache_attention(tiny_llama), IceCache(tiny_llama.config, cfg) as cache, torch.no_grad():
+    with use_attention(tiny_llama), IceCache(tiny_llama.config, cfg) as cache, torch.no_grad():
         tiny_llama(ids[:, :50], past_key_values=cache)
         tiny_llama(ids[:, 50:51], past_key_values=cache)
         with pytest.raises(CacheMisuseError, match="only one token per decode step"):
@@ -255,7 +252,7 @@ def test_failing_index_build_surfaces_in_caller_and_recovers(tiny_llama):
         if layer == 2:
             raise MemoryError("injected failure")
 
-    cache._fault_hooks["build"] = boom
+    cache.inject_fault("build", boom)
     with pytest.raises(BackgroundJobError, match="layer 2") as info:
         run(tiny_llama, ids, mask, cache=cache, steps=3)
     assert isinstance(info.value.__cause__, MemoryError)
@@ -286,7 +283,7 @@ def test_two_threads_two_caches_do_not_interfere():
                 seq, _, c = run(model, ids, mask, cfg, steps=12)
                 c.close()
                 results[i] = seq
-        except BaseException as exc:  # pragma: no cover - reported below
+        except BaseException as exc:  # noqa: BLE001  # pragma: no cover - reported below
             errors.append(exc)
 
     threads = [threading.Thread(target=work, args=(i, m)) for i, m in enumerate((m1, m2))]

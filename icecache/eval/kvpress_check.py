@@ -48,8 +48,8 @@ def _kept_positions(full: torch.Tensor, kept: torch.Tensor) -> np.ndarray:
 def _our_kept(cache: IceCache, layer_idx: int, head: int, T: int) -> np.ndarray:
     """Prompt positions our method would attend at the first decode step (sink + budget selection + window)."""
     layer = cache.layers[layer_idx]
-    cache.pipeline.wait(layer_idx)
-    S, W = layer.S, layer.W
+    cache.workers.wait(layer_idx)
+    S, W = layer.sink, layer.window
     sinks = np.arange(0, int(layer.num_sinks[0]))
     window = np.arange(max(0, T - W), T)
     pager = layer.pagers[0][head]

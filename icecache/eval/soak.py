@@ -27,8 +27,8 @@ import torch
 
 from icecache.core.config import IceCacheConfig
 from icecache.core.errors import ConfigError
+from icecache.runtime.attention import use_attention
 from icecache.runtime.cache import IceCache
-from icecache.runtime.generate import icecache_attention
 
 
 def _our_threads() -> int:
@@ -44,7 +44,7 @@ def _rss_bytes() -> int:
 def _index_seconds(cache: IceCache) -> float:
     """Seconds so far of the work that grows with the index: select + insert + waits for background inserts."""
     t = cache.timer.seconds
-    return t.get("select", 0.0) + t.get("insert", 0.0) + cache.pipeline.wait_seconds
+    return t.get("select", 0.0) + t.get("insert", 0.0) + cache.workers.wait_seconds
 
 
 class _Reference:
@@ -66,7 +66,7 @@ class _Reference:
         self.cache.prefetch_inserts = self.bg
         out = self.model(self.input_ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
         self.tok = out.logits[0, -1].argmax().view(1, 1)
-        self.cache.pipeline.wait_all()  # its index builds settled before the next timed step of either cache
+        self.cache.workers.wait_all()  # its index builds settled before the next timed step of either cache
         self.done = 0
 
     def step(self) -> None:
@@ -123,7 +123,7 @@ def soak(model: Any, config: IceCacheConfig, prompt_tokens: int, new_tokens: int
         input_ids = torch.randint(3, vocab, (1, prompt_tokens), generator=torch.Generator().manual_seed(seed))
     threads_start = _our_threads()
     rss_start = _rss_bytes()
-    cache = IceCache(model.config, config)
+    cache = IceCache(model.config, config, max_cache_len=int(input_ids.shape[1]) + new_tokens + 1)  # buffers sized once
     cache.prefetch_inserts = background_inserts
     recorded: dict[int, torch.Tensor] = {}  # layer -> [H, prompt + new tokens, D], preallocated
     filled: dict[int, int] = {}
@@ -155,7 +155,7 @@ def soak(model: Any, config: IceCacheConfig, prompt_tokens: int, new_tokens: int
     index_marks: list[tuple[int, int, int]] = []  # (step, pagers' index bytes, host store allocated bytes)
     ref: _Reference | None = None
     try:
-        with icecache_attention(model):
+        with use_attention(model):
             t0 = time.perf_counter()
             out = model(input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
             report["prefill_seconds"] = time.perf_counter() - t0
@@ -169,20 +169,20 @@ def soak(model: Any, config: IceCacheConfig, prompt_tokens: int, new_tokens: int
             bar = tqdm(total=new_tokens, desc=f"soak {config.index}", disable=not progress, unit="tok")
             for i in range(new_tokens):
                 sel0 = cache.timer.seconds.get("select", 0.0)
-                all0 = sum(cache.timer.seconds.values()) + cache.pipeline.wait_seconds
+                all0 = sum(cache.timer.seconds.values()) + cache.workers.wait_seconds
                 idx0 = _index_seconds(cache)
                 t1 = time.perf_counter()
                 out = model(tok, past_key_values=cache, use_cache=True)
                 tok = out.logits[0, -1].argmax().view(1, 1)
                 step_s.append(time.perf_counter() - t1)
                 select_s.append(cache.timer.seconds.get("select", 0.0) - sel0)
-                stages_s.append(sum(cache.timer.seconds.values()) + cache.pipeline.wait_seconds - all0)
+                stages_s.append(sum(cache.timer.seconds.values()) + cache.workers.wait_seconds - all0)
                 index_s.append(_index_seconds(cache) - idx0)
                 dev = cache.device_kv_bytes(("sparse",))
                 if dev0 is None:
                     dev0 = dev
                     layer = cache.layers[sparse[0]]
-                    per_step = len(sparse) * layer.B * layer.num_kv_heads * layer.head_dim * 2 * layer.buf_k.element_size()
+                    per_step = len(sparse) * layer.batch_size * layer.num_kv_heads * layer.head_dim * 2 * layer.keys.element_size()
                 elif dev != dev0:
                     report["device_bytes_changed_at"] = i
                     dev0 = -1

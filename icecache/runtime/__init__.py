@@ -1,1 +1,2 @@
-"""Runtime: host store, bulk loader, transformers integration, prefill pipeline, model loading."""
+"""Runtime: the IceCache transformers cache (cache, layer, placement, selection, loader, store, index workers),
+the "icecache" attention function, one-call generation and model loading."""

@@ -9,6 +9,8 @@ pages + window) after selection and bulk loading. Without an IceCache (a plain `
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -16,8 +18,10 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from icecache.core.errors import CacheMisuseError
 from icecache.runtime import link
+
+# `import icecache` imports this module and nothing else of ours: `icecache.core` (numba-compiled page tables)
+# loads only when an error is raised.
 
 ATTENTION_NAME = "icecache"
 _UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks")
@@ -47,9 +51,13 @@ def icecache_attention(
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     cache, layer_idx = pending
     if layer_idx != getattr(module, "layer_idx", layer_idx):
+        from icecache.core.errors import CacheMisuseError
+
         raise CacheMisuseError(f"IceCache was updated for layer {layer_idx} but attention runs layer {module.layer_idx}")
     for name in _UNSUPPORTED_KWARGS:
         if kwargs.get(name) is not None:
+            from icecache.core.errors import CacheMisuseError
+
             raise CacheMisuseError(f"IceCache does not support the attention feature {name!r} of this model")
     kind = cache.kind[layer_idx]
     if kind != "sparse" or query.shape[2] > 1:
@@ -65,3 +73,20 @@ def register() -> None:
     """Register ``"icecache"`` with transformers (idempotent)."""
     AttentionInterface.register(ATTENTION_NAME, icecache_attention)
     AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+
+
+@contextlib.contextmanager
+def use_attention(model: Any, name: str = ATTENTION_NAME) -> Iterator[None]:
+    """Switch ``model`` to the attention implementation ``name`` for the duration of the block.
+
+    The previous implementation is restored on exit, also when the block raises. ``"icecache"`` is registered
+    first if needed; any other name must already be known to transformers (``"sdpa"``, ``"eager"``, ...).
+    """
+    if name == ATTENTION_NAME:
+        register()
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)

@@ -11,14 +11,15 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from icecache.core.errors import CacheMisuseError
-
 _local = threading.local()
 
 
 def publish(cache: Any, layer_idx: int) -> None:
     pending = getattr(_local, "pending", None)
     if pending is not None and pending[0] is cache:
+        # imported here: `import icecache` loads this module and `attention` only
+        from icecache.core.errors import CacheMisuseError
+
         raise CacheMisuseError(
             f"IceCache layer {pending[1]} was updated but its attention never ran through IceCache: call "
             "model.set_attn_implementation('icecache') (after `import icecache`) before generating with an IceCache"

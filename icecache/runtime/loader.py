@@ -107,24 +107,45 @@ class BulkLoader:
         The layer's device buffers; slots ``region_start .. region_start + budget`` are the budget region.
     buf_valid : BoolTensor ``[B, H, L]``
         Attention mask of the buffers (True = attend).
+    region_start, budget : int
+        First slot and number of slots of the budget region (`resize` moves to larger buffers).
     """
 
     def __init__(
         self, buf_k: torch.Tensor, buf_v: torch.Tensor, buf_valid: torch.Tensor, region_start: int, budget: int
     ) -> None:
+        B, H, _, D = buf_k.shape
+        self.B, self.H, self.D = B, H, D
+        self.device = buf_k.device
+        self.budget = 0
+        self.slot_pos = np.full((B, H, 0), -1, dtype=np.int64)  # position held by each slot
+        self._slot_of_pos = [[np.full(0, -1, dtype=np.int64) for _ in range(H)] for _ in range(B)]
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.staging: torch.Tensor | None = None  # [B * H * budget, 2, D] host side of the one copy (pinned on CUDA)
+        self.device_staging: torch.Tensor | None = None
+        self.resize(buf_k, buf_v, buf_valid, region_start, budget)
+
+    def resize(
+        self, buf_k: torch.Tensor, buf_v: torch.Tensor, buf_valid: torch.Tensor, region_start: int, budget: int
+    ) -> None:
+        """Use new device buffers whose budget region starts at ``region_start`` and has ``budget`` slots (no
+        fewer than now). Slot ``i`` of the old region must have been copied to slot ``i`` of the new one: the
+        residency bookkeeping is kept."""
+        if budget < self.budget:
+            raise AssertionError(f"the budget region cannot shrink ({self.budget} -> {budget} slots)")
         self.buf_k, self.buf_v, self.buf_valid = buf_k, buf_v, buf_valid
         B, H, L, D = buf_k.shape
-        self.B, self.H, self.L, self.D = B, H, L, D
+        self.L = L
         self.region_start = region_start
-        self.budget = budget
-        self.device = buf_k.device
-        self.slot_pos = np.full((B, H, budget), -1, dtype=np.int64)  # position held by each slot
-        self._slot_of_pos = [[np.full(0, -1, dtype=np.int64) for _ in range(H)] for _ in range(B)]
-        cuda = self.device.type == "cuda"
-        cap = max(B * H * budget, 1)
-        self.staging = torch.empty(cap, 2, D, dtype=buf_k.dtype, pin_memory=cuda)
-        self.device_staging = torch.empty(cap, 2, D, dtype=buf_k.dtype, device=self.device)
-        self.stream = torch.cuda.Stream(self.device) if cuda else None
+        if budget != self.budget or self.staging is None:
+            slot_pos = np.full((B, H, budget), -1, dtype=np.int64)
+            slot_pos[:, :, : self.budget] = self.slot_pos
+            self.slot_pos = slot_pos
+            self.budget = budget
+            cuda = self.device.type == "cuda"
+            cap = max(B * H * budget, 1)
+            self.staging = torch.empty(cap, 2, D, dtype=buf_k.dtype, pin_memory=cuda)
+            self.device_staging = torch.empty(cap, 2, D, dtype=buf_k.dtype, device=self.device)
 
     def load(
         self,

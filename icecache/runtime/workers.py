@@ -1,17 +1,21 @@
-"""`PrefillPipeline`: per-layer background work (offload + index build) on a CPU thread pool.
+"""`IndexWorkers`: per-layer background index work (offload + build at prefill, inserts at decode) on a CPU
+thread pool.
 
-While the model computes layer i+1, the jobs of layer i (one per batch row and KV head: copy the middle
-K/V into the host store, build the pager) run on worker threads. The compiled index kernels release the GIL,
-so they overlap with the model's own compute. Decoding waits only for the layer it is about to use
-(`wait(layer)`), and an exception in a worker is raised there, in the caller, with the layer named.
+Prefill: while the model computes layer i+1, the jobs of layer i (one per batch row and KV head: copy the
+middle K/V into the host store, build the pager) run on worker threads. Decode: the token that leaves the
+window at the next step is inserted into the pagers and host stores of its layer while the next layers compute.
+The compiled index kernels release the GIL, so the jobs overlap with the model's own compute. A layer waits
+only for its own jobs (`wait(layer)`), and an exception in a worker is raised there, in the caller, with the
+layer named.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -22,7 +26,7 @@ class BackgroundJobError(IceCacheError, RuntimeError):
     """A background offload / index-build job failed; the original exception is chained (``__cause__``)."""
 
 
-class PrefillPipeline:
+class IndexWorkers:
     """A small thread pool plus per-layer lists of futures."""
 
     def __init__(self, threads: int) -> None:
@@ -37,7 +41,7 @@ class PrefillPipeline:
     def submit(self, layer_idx: int, label: str, fn: Callable[..., Any], *args: Any) -> Future:
         """Run ``fn(*args)`` in the background for ``layer_idx`` (grad/inference mode copied from the caller)."""
         if self.closed:
-            raise BackgroundJobError("the prefill pipeline is closed (the cache was closed)")
+            raise BackgroundJobError("the index workers are closed (the cache was closed)")
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="icecache")
         inference = torch.is_inference_mode_enabled()

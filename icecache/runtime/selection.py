@@ -1,0 +1,115 @@
+"""Page selection of one sparse layer's decode step, and the accounting of what every step selected and copied.
+
+Per decode step and sparse layer::
+
+    select_layer   the pagers of every (row, KV head) pick pages for the step's queries (<= budget tokens)
+    BulkLoader     brings the selected positions not yet resident into the budget slots (`loader.py`)
+    DecodeAccounting.record_load   counters (bytes, copies, pages reused) and, with ``trace``, one record per
+                   (step, layer, row, KV head)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from icecache.core.errors import InputError
+
+
+@dataclass
+class LayerSelection:
+    """The positions every (row, KV head) of one layer attends besides sink and window, ``[row][kv head]``.
+
+    ``positions`` are host (middle) positions, ``indptrs`` their CSR page offsets (None when reused from
+    another layer) and ``pages`` the selected page ids (None unless traced or when reused).
+    """
+
+    positions: list[list[np.ndarray]]
+    indptrs: list[list[np.ndarray | None]]
+    pages: list[list[np.ndarray | None]]
+
+
+def select_pages(pager: Any, queries: torch.Tensor, budget: int, gqa: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Pages of one (row, KV head) for its query group ``queries`` ``[n_rep, D]`` (float32, host).
+
+    ``gqa="union"``: the group selects ``budget`` tokens together; ``"per-head"``: every query head selects
+    ``budget // n_rep`` tokens and the step attends the union. Returns ``(pages, indptr, positions)``.
+    """
+    if gqa == "union":
+        pages, indptr, positions, _ = pager.select_arrays(queries, budget, check=False)
+        return pages, indptr, positions
+    n_rep = queries.shape[0]
+    per_head = [pager.select_arrays(queries[g : g + 1], budget // n_rep, check=False)[0] for g in range(n_rep)]
+    flat = np.concatenate(per_head)
+    _, first = np.unique(flat, return_index=True)
+    pages = flat[np.sort(first)]  # the union, in first-selected order
+    indptr, positions = pager.table.csr(pages)
+    return pages, indptr, positions
+
+
+def select_layer(pagers: list[list[Any]], queries: torch.Tensor, budget: int, gqa: str, *, layer_idx: int,
+                 keep_pages: bool = False) -> LayerSelection:
+    """Select for every (row, KV head) of a layer; ``queries`` ``[B, H, n_rep, D]`` (any device and dtype)."""
+    q_host = queries.detach().to("cpu", torch.float32).contiguous()
+    if not bool(torch.isfinite(q_host).all()):
+        raise InputError(f"layer {layer_idx}: the model produced NaN/inf queries")
+    B, H = q_host.shape[:2]
+    sel = LayerSelection([], [], [])
+    for b in range(B):
+        prow, irow, grow = [], [], []
+        for h in range(H):
+            pages, indptr, positions = select_pages(pagers[b][h], q_host[b, h], budget, gqa)
+            prow.append(positions)
+            irow.append(indptr)
+            grow.append(pages if keep_pages else None)
+        sel.positions.append(prow)
+        sel.indptrs.append(irow)
+        sel.pages.append(grow)
+    return sel
+
+
+COUNTERS = ("steps", "bytes_copied", "copies", "layer_steps", "pages_copied", "pages_selected", "pages_reused",
+            "tokens_selected", "tokens_copied")
+
+
+class DecodeAccounting:
+    """Cumulative counters of every sparse decode step (see `COUNTERS`) and, with ``trace``, one record per
+    (decode step, layer, row, KV head): ``{step, layer, row, kv_head, pages, tokens, new_pages, new_tokens,
+    bytes}``."""
+
+    def __init__(self, trace: bool = False) -> None:
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        self.tracing = trace
+        self.trace: list[dict[str, Any]] = []
+
+    def start_step(self) -> int:
+        """Count a new decode step; returns its number (1 = the first)."""
+        self.counters["steps"] += 1
+        return self.counters["steps"]
+
+    def record_load(self, layer_idx: int, report: Any, selection: LayerSelection, bytes_per_token: int) -> None:
+        """Add one layer step's `LoadReport` (and its trace records)."""
+        c = self.counters
+        c["layer_steps"] += 1
+        c["bytes_copied"] += report.bytes_copied
+        c["copies"] += report.copies
+        c["pages_selected"] += report.pages_selected
+        c["pages_reused"] += report.pages_reused
+        c["pages_copied"] += report.pages_selected - report.pages_reused
+        c["tokens_selected"] += report.tokens_selected
+        c["tokens_copied"] += report.tokens_copied
+        if not self.tracing:
+            return
+        for b, h, n_sel, n_reused, n_copied in report.per_head:
+            pages = selection.pages[b][h]
+            self.trace.append({
+                "step": c["steps"], "layer": layer_idx, "row": b, "kv_head": h,
+                "pages": [] if pages is None else pages.tolist(),
+                "tokens": len(selection.positions[b][h]),
+                "new_pages": n_sel - n_reused,
+                "new_tokens": n_copied,
+                "bytes": n_copied * bytes_per_token,
+            })
