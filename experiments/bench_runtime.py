@@ -28,7 +28,7 @@ import icecache  # noqa: E402
 from icecache.cli import parse_pager_spec  # noqa: E402
 from icecache import IceCache, IceCacheConfig  # noqa: E402
 from icecache.eval.tasks import text_window  # noqa: E402
-from icecache.runtime.generate import icecache_attention  # noqa: E402
+from icecache.runtime.attention import use_attention  # noqa: E402
 
 
 @torch.inference_mode()
@@ -36,7 +36,7 @@ def run_variant(model, ids: torch.Tensor, cfg: IceCacheConfig | None, steps: int
     from transformers import DynamicCache
 
     cache = IceCache(model.config, cfg) if cfg is not None else DynamicCache()
-    ctx = icecache_attention(model) if cfg is not None else _null()
+    ctx = use_attention(model) if cfg is not None else _null()
     times = []
     with ctx:
         t0 = time.perf_counter()

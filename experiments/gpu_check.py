@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import icecache  # noqa: E402
 from icecache import IceCache, IceCacheConfig  # noqa: E402
-from icecache.runtime.generate import icecache_attention  # noqa: E402
+from icecache.runtime.attention import use_attention  # noqa: E402
 from icecache.runtime.loader import BulkLoader  # noqa: E402
 from icecache.runtime.store import HeadStore  # noqa: E402
 from icecache.runtime.timing import StageTimer  # noqa: E402
@@ -62,7 +62,7 @@ def generate(model, ids, mask, cfg, steps):
             out = model.generate(ids, attention_mask=mask, **kw)
             return out.sequences, torch.stack(out.logits).float(), None
         cache = IceCache(model.config, cfg)
-        with icecache_attention(model):
+        with use_attention(model):
             out = model.generate(ids, attention_mask=mask, past_key_values=cache, **kw)
         return out.sequences, torch.stack(out.logits).float(), cache
 
@@ -108,7 +108,7 @@ def timed_decode(device: str, contexts: list[int], steps: int) -> list[dict]:
         ]
         for name, cfg in variants:
             cache = IceCache(model.config, cfg) if cfg is not None else None
-            ctx = icecache_attention(model) if cfg is not None else _nullcontext()
+            ctx = use_attention(model) if cfg is not None else _nullcontext()
             with torch.no_grad(), ctx:
                 sync(device)
                 t0 = time.perf_counter()

@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import icecache  # noqa: E402
 from icecache import IceCache, IceCacheConfig  # noqa: E402
 from icecache.cli import parse_pager_spec  # noqa: E402
-from icecache.eval.harness import attention_impl, run_prefill  # noqa: E402
+from icecache.eval.harness import run_prefill  # noqa: E402
+from icecache.runtime.attention import use_attention  # noqa: E402
 from icecache.eval.tasks import text_window  # noqa: E402
 from icecache.runtime.attention import ATTENTION_NAME  # noqa: E402
 
@@ -53,7 +54,7 @@ def variant_config(spec: str) -> IceCacheConfig:
 def decode_steps(model, cache, first: int, steps: int) -> list[float]:
     times = []
     tok = torch.tensor([[first]])
-    with attention_impl(model, ATTENTION_NAME):
+    with use_attention(model, ATTENTION_NAME):
         for _ in range(steps):
             t0 = time.perf_counter()
             out = model(tok, past_key_values=cache, use_cache=True)

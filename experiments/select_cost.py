@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from icecache import IceCache, IceCacheConfig  # noqa: E402
 from icecache.eval.tasks import text_window  # noqa: E402
 from icecache.indexes import make_pager  # noqa: E402
-from icecache.runtime.generate import icecache_attention  # noqa: E402
+from icecache.runtime.attention import use_attention  # noqa: E402
 from icecache.runtime.models import load_model  # noqa: E402
 from tpot_interleaved import decode_block  # noqa: E402  (experiments/ is this script's directory)
 
@@ -95,7 +95,7 @@ def main() -> None:
     name, params = parse_pager_spec(args.index)
     cache = IceCache(model.config, IceCacheConfig(index=name, index_params=params, budget=256))
     try:
-        with icecache_attention(model):
+        with use_attention(model):
             out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
             t, _ = decode(model, cache, out.logits[0, -1].argmax().view(1, 1), 4)
             modes = {"prefetch": True, "sync": False}

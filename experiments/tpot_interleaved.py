@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from icecache import IceCache, IceCacheConfig  # noqa: E402
 from icecache.cli import parse_pager_spec  # noqa: E402
 from icecache.eval.tasks import text_window  # noqa: E402
-from icecache.runtime.generate import icecache_attention  # noqa: E402
+from icecache.runtime.attention import use_attention  # noqa: E402
 from icecache.runtime.models import load_model  # noqa: E402
 
 
@@ -75,7 +75,7 @@ def main() -> int:
     last: dict[str, torch.Tensor] = {}
     try:
         for name, cache in caches.items():
-            ctx = icecache_attention(model) if name != "full" else nullcontext()
+            ctx = use_attention(model) if name != "full" else nullcontext()
             with ctx:
                 t0 = time.perf_counter()
                 out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
@@ -88,7 +88,7 @@ def main() -> int:
         for r in range(args.reps):
             for name, cache in caches.items():
                 before = dict(cache.timer.seconds) if isinstance(cache, IceCache) else None
-                ctx = icecache_attention(model) if name != "full" else nullcontext()
+                ctx = use_attention(model) if name != "full" else nullcontext()
                 with ctx:
                     last[name], ts = decode_block(model, cache, last[name], args.steps)
                 blocks[name].append(1e3 * statistics.median(ts))

@@ -159,6 +159,8 @@ def parse_pager_spec(spec: str) -> tuple[str, dict]:
 
 
 def _print_stats(stats: dict, file=sys.stderr) -> None:
+    if stats.get("nothing_offloaded"):
+        print("nothing offloaded: the prompt fits in sink + window, so this ran like full attention", file=file)
     steps = max(stats.get("steps", 0), 1)
     mib = 2**20
     dev, full = stats["device_kv_bytes"], stats["full_kv_bytes"]
@@ -194,12 +196,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"text": res.text, "prompt_tokens": res.prompt_tokens, "new_tokens": res.new_tokens,
                           "load_s": load_s, "seconds": res.seconds, "ttft_s": res.ttft_seconds,
-                          "tt2t_s": res.tt2t_seconds, "tpot_s": res.tpot_seconds, "stats": res.stats}))
+                          "tt2t_s": res.tt2t_seconds, "tpot_s": res.tpot_seconds, "chat_template": res.chat_template,
+                          "stats": res.stats}))
         return 0
     print(res.text)
     mode = "full attention" if config is None else f"icecache {config.index} budget {config.budget}"
+    template = "chat template" if res.chat_template else "raw text, no chat template"
     print(
-        f"[{mode}] model load {load_s:.1f} s | prompt {res.prompt_tokens} tokens | {res.new_tokens} new tokens in "
+        f"[{mode}] model load {load_s:.1f} s | prompt {res.prompt_tokens} tokens ({template}) | {res.new_tokens} new tokens in "
         f"{res.seconds:.2f} s (TTFT {res.ttft_seconds:.2f} s, TPOT {1000 * res.tpot_seconds:.1f} ms)",
         file=sys.stderr,
     )

@@ -147,3 +147,43 @@ def test_bench_help_prints_help_without_arguments():
     for argv in (["bench", "--help"], ["bench", "index", "--help"]):
         out = subprocess.run([sys.executable, "-m", "icecache.cli", *argv], capture_output=True, text=True, timeout=120)
         assert out.returncode == 0 and "usage:" in out.stdout and "Traceback" not in out.stderr
+
+
+def test_ctrl_c_during_eval_keeps_the_finished_rows(tmp_path, monkeypatch, capsys):
+    """Ctrl-C in the middle of `icecache eval`: the rows finished before it are written, the console says
+    "interrupted", and there is no traceback (exit code 130)."""
+    import icecache.eval.runner as runner
+    import icecache.runtime.models as models
+
+    row = {"task": "passkey", "variant": "filler", "length": 600, "tokens": 600, "sample": 0, "method": "full",
+           "budget": "-", "score": 1.0, "output": "12345", "answer": "12345", "depth": 0.5, "seconds": 1.0,
+           "prefill_seconds": 1.0}
+
+    def interrupted_run(model, tokenizer, spec, progress=True, rows=None):
+        rows.append(dict(row))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(models, "load_model", lambda name=None: (None, None))
+    monkeypatch.setattr(runner, "run_eval", interrupted_run)
+    out = tmp_path / "eval"
+    assert main(["eval", "passkey", "--methods", "full", "--lengths", "600", "--out", str(out)]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted: 1 finished rows kept" in err and "Traceback" not in err
+    assert "full" in (out / "rows.csv").read_text() and "interrupted" in (out / "results.md").read_text()
+
+
+def test_generate_stats_line_says_which_prompt_convention_ran(capsys, monkeypatch):
+    import icecache.runtime.generate as generate_module
+    import icecache.runtime.models as models
+    from icecache.runtime.generate import GenerationResult
+
+    def fake_generate(model, tokenizer, prompt, *, config=None, chat=None, **kw):
+        return GenerationResult(text="ok", prompt_tokens=3, new_tokens=1, seconds=0.1, ttft_seconds=0.1,
+                                chat_template=bool(chat), stats={})
+
+    monkeypatch.setattr(models, "load_model", lambda name=None: (None, None))
+    monkeypatch.setattr(generate_module, "generate", fake_generate)
+    assert main(["generate", "hi", "--full"]) == 0
+    assert "(chat template)" in capsys.readouterr().err
+    assert main(["generate", "hi", "--full", "--no-chat"]) == 0
+    assert "(raw text, no chat template)" in capsys.readouterr().err

@@ -12,7 +12,7 @@ from icecache import IceCache, IceCacheConfig
 from icecache.eval.harness import clone_kv, decode_forced, decode_greedy, run_prefill
 from icecache.eval.methods import FixedScorePager, get_method
 from icecache.eval.runner import EvalSpec, bootstrap, markdown, parse_length, run_eval, summarize, wilson
-from icecache.runtime.generate import icecache_attention
+from icecache.runtime.attention import use_attention
 
 from conftest import make_tiny_llama
 
@@ -49,7 +49,7 @@ def test_load_prefill_equals_prefill_through_the_cache(name):
     c = {"exact": cfg.replace(index="exact"), "quest": cfg.replace(index="sequential"),
          "streaming": cfg.replace(index="sequential", window=32, budget=0)}[name]
     ref_cache = IceCache(model.config, c)
-    with icecache_attention(model), torch.no_grad():
+    with use_attention(model), torch.no_grad():
         out = model(ids, past_key_values=ref_cache, use_cache=True)
     ref = decode_forced(model, ref_cache, out.logits[0, -1].float(), list(range(3, 40)))
     ref_cache.close()
@@ -106,12 +106,11 @@ def test_kvpress_agrees_with_our_baselines_on_kept_tokens():
     prefill = run_prefill(model, ids, obs_window=cfg.window)
     from transformers import DynamicCache
 
-    from icecache.eval.harness import attention_impl
 
     for name, min_overlap in (("streaming", 1.0), ("snapkv", 0.9)):
         ours = get_method(name).cache(model, prefill, cfg)
         pressed = DynamicCache()
-        with _press(name, 1 - (4 + 32 + 64) / 400, cfg)(model), attention_impl(model, "sdpa"), torch.no_grad():
+        with _press(name, 1 - (4 + 32 + 64) / 400, cfg)(model), use_attention(model, "sdpa"), torch.no_grad():
             model(ids, past_key_values=pressed, use_cache=True)
         overlaps = []
         for layer in range(4):

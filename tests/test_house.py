@@ -38,7 +38,11 @@ def test_no_module_imports_another_modules_private_names():
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module.startswith("icecache"):
                 if node.module == here:
                     continue
+                own_package = node.module == here.rpartition(".")[0]
                 for alias in node.names:
+                    submodule = (PACKAGE.parent / node.module.replace(".", "/") / f"{alias.name}.py").exists()
+                    if own_package and submodule:
+                        continue  # a private module of the importer's own package
                     if alias.name.startswith("_") and not alias.name.startswith("__"):
                         offenders.append(f"{here}: from {node.module} import {alias.name}")
     assert not offenders, "\n".join(offenders)

@@ -33,11 +33,36 @@ def test_bad_threshold_is_refused(bad):
         malloc.pin_mmap_threshold(bad)
 
 
+def _rss_bytes() -> int:
+    import os
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 @glibc
-def test_trim_heap_runs():
-    bufs = [bytearray(1 << 20) for _ in range(32)]
-    del bufs
-    assert isinstance(malloc.trim_heap(), bool)
+def test_trim_heap_returns_free_heap_memory_to_the_system():
+    """96 MiB of 48 KiB blocks (below the mmap threshold: heap memory), then one small block above them so glibc
+    cannot shrink the heap's top when they are freed. The freed memory stays resident until `trim_heap`, which
+    must hand most of it back (RSS drops by at least half of it) and say so."""
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+    malloc.trim_heap()
+    block, count = 48 << 10, 2048
+    blocks = [libc.malloc(block) for _ in range(count)]
+    for b in blocks:
+        ctypes.memset(b, 1, block)  # touch every page
+    pin = libc.malloc(block)  # carved from the top of the heap, above every block
+    for b in blocks:
+        libc.free(b)
+    before = _rss_bytes()
+    assert malloc.trim_heap() is True
+    released = before - _rss_bytes()
+    libc.free(pin)
+    assert released >= (block * count) // 2, f"trim_heap released {released >> 20} MiB of {block * count >> 20} MiB"
 
 
 def test_bad_heap_policy_is_refused():

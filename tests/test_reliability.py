@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import gc
 import json
 import os
@@ -243,8 +245,9 @@ def test_fuzz_config(kwargs):
 @given(st.lists(st.sampled_from(["--budget", "--page-size", "--window", "--sink", "--index", "--dense-layers",
                                  "--reuse-every", "--threads", "-5", "0", "64", "abc", "mdci", "1,2", "", "--full"]), max_size=8))
 def test_fuzz_cli_arguments(argv):
-    """`icecache generate` argument handling: a clean exit code 2 or a valid config, never a traceback."""
-    from icecache.cli import _ice_config, build_parser
+    """`icecache generate` argument handling: argparse's exit 2, one of our one-line errors (nothing else: a
+    bare ValueError or TypeError fails the test), or a config in which every given flag took effect."""
+    from icecache.cli import ICE_OPTIONS, _ice_config, build_parser
 
     FUZZ_COUNTER["cli"] += 1
     parser = build_parser()
@@ -254,9 +257,16 @@ def test_fuzz_cli_arguments(argv):
         assert exc.code == 2
         return
     try:
-        _ice_config(args)
-    except (ConfigError, ValueError) as exc:
-        assert isinstance(exc, (IceCacheError, ValueError))
+        cfg = _ice_config(args)
+    except IceCacheError as exc:
+        assert str(exc) and "\n" not in str(exc)
+        return
+    for name in ICE_OPTIONS:
+        given = getattr(args, name)
+        if given is not None and name not in ("dense_layers", "index_params"):
+            assert getattr(cfg, name) == given, (name, given, getattr(cfg, name))
+    if args.dense_layers is not None:
+        assert cfg.dense_layers == tuple(sorted({int(x) for x in args.dense_layers.split(",") if x.strip()}))
 
 
 def test_report_fuzz_counts(capsys):
@@ -274,8 +284,11 @@ def test_soak_short_tiny_model():
         report = soak(model, IceCacheConfig(index=name, budget=24, page_size=4, sink=4, window=16, dense_layers=(0,)),
                       prompt_tokens=150, new_tokens=250, checkpoint_every=100)
         assert report["device_bytes_constant"] and report["host_growth_exact"] and report["conservation_checks"] >= 2
-        assert report["index_bytes_per_step"] >= 0 and report["host_allocated_bytes_per_step"] >= 0
-        assert 0 <= report["select_end_ms"] < report["tpot_end_ms"] and "tpot_drift_without_select" in report
+        # what the index and the host blocks add per decode step stays within a few times the K/V it holds
+        kv_per_step = report["host_bytes_per_step"]
+        assert 0 < report["index_bytes_per_step"] <= 4 * kv_per_step, (name, report["index_bytes_per_step"], kv_per_step)
+        assert 0 < report["host_allocated_bytes_per_step"] <= 4 * kv_per_step, (name, report["host_allocated_bytes_per_step"])
+        assert 0 < report["select_end_ms"] < report["tpot_end_ms"] and math.isfinite(report["tpot_drift_without_select"])
     # inserts on the decode thread: the same invariants, the run says how it inserted
     report = soak(model, IceCacheConfig(index="mdci", budget=24, page_size=4, sink=4, window=16, dense_layers=()),
                   prompt_tokens=150, new_tokens=120, checkpoint_every=60, background_inserts=False)
@@ -295,7 +308,6 @@ def test_soak_reference_cache_decodes_in_lockstep():
     assert r["reference_every"] == 20 and r["ref_end_ms"] > 0 and r["ref_end_without_index_ms"] > 0
     # its index stays at warm-up size: prompt - sink - window + (2 .. 20) steps since its prefill
     assert 150 - 20 + 2 <= r["ref_warm_n"] <= r["ref_end_n"] <= 150 - 20 + 20
-    assert r["tpot_drift_vs_reference"] == pytest.approx(r["tpot_end_ms"] / r["ref_end_ms"] - 1.0)
     with pytest.raises(ConfigError, match="reference_every"):
         soak(model, cfg, prompt_tokens=150, new_tokens=10, reference_every=-1)
     with pytest.raises(ConfigError, match="reference_every"):

@@ -9,7 +9,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from icecache.core.errors import ConfigError, UnknownNameError
-from icecache.sim.closed_forms import flowline_makespan_s, pool_makespan_s
+from icecache.sim.closed_forms import flowline_makespan_s
 from icecache.sim.config import SimConfig
 from icecache.sim.engine import STAGES, simulate_request, simulate_step
 from icecache.sim.hardware import get_hardware, make_costs
@@ -79,13 +79,15 @@ def test_prefill_pipeline_matches_the_flowline_recurrence(rows, jobs):
 def test_thread_pool_makespan_is_ceil_h_over_t(jobs, threads, t):
     zero = dict.fromkeys(("compute", "attend", "insert", "gather", "copy", "scatter", "head", "other"), 0.0)
     plan = _sparse_plan(1, {**zero, "select": t}, jobs, threads)
-    assert pool_makespan_s(t, jobs, threads) == math.ceil(jobs / threads) * t
-    for fine in (False, True):
+    for fine in (False, True):  # the event simulation against the closed form of a pool of `threads` workers
         assert simulate_step(plan, fine=fine).seconds == pytest.approx(math.ceil(jobs / threads) * t, rel=1e-9)
 
 
-def test_paper_breakdown_is_reproduced_from_its_component_times():
-    """A100, Llama-3.1-8B, 36k: DCI 0.05 + decoding 0.04 + loading 0.015 + other 0.005 = 0.11 s TPOT."""
+def test_reuse_tpot_predicted_from_the_papers_base_components():
+    """A100, Llama-3.1-8B, 36k. The paper's component times (DCI 0.05 + decoding 0.04 + loading 0.015 + other
+    0.005) go in, so the base TPOT of 0.11 s holds by construction (a check that the serial plan sums its
+    stages, nothing more). The genuine prediction is IceCache(r): the paper reports 0.06 s with reuse, a number
+    the model is not given; it must come out of the plan's reuse and prefetch edges."""
     base = component_plan(layers=32, select_s=0.05, decode_s=0.04, load_s=0.015, other_s=0.005, kv_heads=8, threads=64)
     res = simulate_step(base)
     assert res.seconds == pytest.approx(0.11, rel=1e-9)
@@ -143,7 +145,10 @@ def test_h100_full_kv_reproduces_the_line_it_was_fitted_to(profile):
         assert res.tpot_s == pytest.approx(0.030 + 1.07e-6 * n, rel=1e-6)
 
 
-def test_host_scale_reproduces_the_anchor_dci_time(profile):
+def test_host_scale_is_fitted_to_the_anchor_dci_time(profile):
+    """By construction: the host scale is fitted so that the DCI time at the anchor equals the paper's 0.05 s.
+    This checks the fitting and the serial sum, not the model's predictive power (the genuine predictions are
+    validated against measured runs in `icecache sim validate`)."""
     costs = _costs("a100", profile)
     res = simulate(SimConfig("llama-3.1-8b", "a100", "icecache", 36_000, threads=64, new_tokens=1, impl="paper"), costs,
                    with_prefill=False)

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
 from icecache import IceCacheConfig  # noqa: E402
 from icecache.runtime.cache import IceCache  # noqa: E402
-from icecache.runtime.generate import icecache_attention  # noqa: E402
+from icecache.runtime.attention import use_attention  # noqa: E402
 
 
 def main() -> int:
@@ -46,21 +46,21 @@ def main() -> int:
     blob = torch.ones(int(args.stream_mb * 2**20) // 4)  # float32
     phases = ["alone", "streaming"] * args.rounds + ["alone"]
     rows = []
-    with torch.inference_mode(), icecache_attention(model):
+    with torch.inference_mode(), use_attention(model):
         for phase in phases:
             with IceCache(model.config, cfg) as cache:
                 tok = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0, -1].argmax().view(1, 1)
-                cache.pipeline.wait_all()
+                cache.workers.wait_all()
                 step, index = [], []
                 for _ in range(args.steps):
                     if phase == "streaming":
                         blob.sum()  # reads every byte once, as a select over that many keys does
                     t = cache.timer.seconds
-                    i0 = t.get("select", 0.0) + t.get("insert", 0.0) + cache.pipeline.wait_seconds
+                    i0 = t.get("select", 0.0) + t.get("insert", 0.0) + cache.workers.wait_seconds
                     t0 = time.perf_counter()
                     tok = model(tok, past_key_values=cache, use_cache=True).logits[0, -1].argmax().view(1, 1)
                     step.append(time.perf_counter() - t0)
-                    index.append(t.get("select", 0.0) + t.get("insert", 0.0) + cache.pipeline.wait_seconds - i0)
+                    index.append(t.get("select", 0.0) + t.get("insert", 0.0) + cache.workers.wait_seconds - i0)
             s, ix = np.array(step[50:]) * 1e3, np.array(index[50:]) * 1e3
             row = {"phase": phase, "step_ms": float(np.median(s)), "index_ms": float(np.median(ix)), "rest_ms": float(np.median(s - ix))}
             rows.append(row)

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
 from icecache import IceCacheConfig  # noqa: E402
 from icecache.runtime.cache import IceCache  # noqa: E402
-from icecache.runtime.generate import icecache_attention  # noqa: E402
+from icecache.runtime.attention import use_attention  # noqa: E402
 
 BLOCK = 250
 
@@ -41,7 +41,7 @@ def main() -> int:
     cfg = IceCacheConfig(index=args.pager, budget=64, page_size=8, sink=4, window=32, dense_layers=())
     ids = torch.randint(3, 128, (1, args.prompt), generator=torch.Generator().manual_seed(0))
     sel, step = [], []
-    with torch.inference_mode(), icecache_attention(model), IceCache(model.config, cfg) as cache:
+    with torch.inference_mode(), use_attention(model), IceCache(model.config, cfg) as cache:
         cache.prefetch_inserts = False
         tok = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0, -1].argmax().view(1, 1)
         for _ in range(args.steps):

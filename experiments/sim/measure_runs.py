@@ -62,7 +62,8 @@ def measure_one(model: Any, tokenizer: Any, variant: str, context: int, budget: 
     cfg = None if kw is None else IceCacheConfig(budget=budget, page_size=page_size, threads=threads,
                                                   trace=trace_path is not None, **kw)
     res = generate(model, tokenizer, prompt_of(tokenizer, context), config=cfg, max_new_tokens=new_tokens,
-                   min_new_tokens=new_tokens, return_result=True)  # every method decodes the same steps
+                   min_new_tokens=new_tokens, chat=True,  # the chat template, as the committed runs were measured
+                   return_result=True)  # every method decodes the same steps
     stats = dict(getattr(res, "stats", {}) or {})
     trace = stats.pop("trace", None) or getattr(res, "trace", None)
     row = {

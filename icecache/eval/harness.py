@@ -14,10 +14,10 @@ from typing import Any, Callable
 import torch
 from transformers import DynamicCache
 
-from icecache.measure.capture import attention_impl, recording
-from icecache.runtime.attention import ATTENTION_NAME, register
+from icecache.measure.capture import recording
+from icecache.runtime.attention import ATTENTION_NAME, register, use_attention
 
-__all__ = ["Prefill", "attention_impl", "run_prefill", "clone_kv", "decode_greedy", "decode_forced"]
+__all__ = ["Prefill", "run_prefill", "clone_kv", "decode_greedy", "decode_forced"]
 
 
 @dataclass
@@ -66,7 +66,7 @@ def decode_greedy(
     register()
     tokens: list[int] = []
     logits = first_logits
-    with attention_impl(model, ATTENTION_NAME):
+    with use_attention(model, ATTENTION_NAME):
         for i in range(steps):
             tok = int(logits.argmax())
             tokens.append(tok)
@@ -84,7 +84,7 @@ def decode_forced(model: Any, cache: Any, first_logits: torch.Tensor, targets: l
     register()
     nll = torch.empty(len(targets))
     logits = first_logits
-    with attention_impl(model, ATTENTION_NAME):
+    with use_attention(model, ATTENTION_NAME):
         for i, tok in enumerate(targets):
             nll[i] = -torch.log_softmax(logits, dim=-1)[tok]
             if i == len(targets) - 1:

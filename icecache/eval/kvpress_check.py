@@ -23,7 +23,8 @@ import torch
 from transformers import DynamicCache
 
 from icecache.core.config import IceCacheConfig
-from icecache.eval.harness import attention_impl, decode_greedy, run_prefill
+from icecache.eval.harness import decode_greedy, run_prefill
+from icecache.runtime.attention import use_attention
 from icecache.eval.methods import get_method
 from icecache.eval.passkey import make_passkey, passkey_correct
 from icecache.runtime.cache import IceCache
@@ -83,7 +84,7 @@ def cross_check(model: Any, tokenizer: Any, lengths: list[int], samples: int, bu
                     c = cfg.replace(budget=budget)
                     ours = get_method(name).cache(model, prefill, c)
                     pressed = DynamicCache()
-                    with _press(name, ratio, c)(model), attention_impl(model, "sdpa"):
+                    with _press(name, ratio, c)(model), use_attention(model, "sdpa"):
                         out = model(ids, past_key_values=pressed, use_cache=True, logits_to_keep=1)
                     overlaps = []
                     for layer_idx in range(text.num_hidden_layers):

@@ -104,14 +104,14 @@ def _ice(index: str | None, **changes: Any) -> Callable[[Any, Prefill, IceCacheC
     """A method running `IceCache` with pager ``index`` (None: the config's own ``index``)."""
 
     def make(model: Any, prefill: Prefill, cfg: IceCacheConfig) -> IceCache:
-        return IceCache(model.config, for_pager(cfg, index or cfg.index, **changes)).load_prefill(prefill.kv)
+        return IceCache.from_dense(prefill.kv, for_pager(cfg, index or cfg.index, **changes), model_config=model.config)
 
     return make
 
 
 def _ice_reuse(model: Any, prefill: Prefill, cfg: IceCacheConfig) -> IceCache:
     reuse = cfg.reuse_every if cfg.reuse_every > 1 else 2
-    return IceCache(model.config, cfg.replace(reuse_every=reuse)).load_prefill(prefill.kv)
+    return IceCache.from_dense(prefill.kv, cfg.replace(reuse_every=reuse), model_config=model.config)
 
 
 def _full(model: Any, prefill: Prefill, cfg: IceCacheConfig) -> Any:
@@ -120,7 +120,7 @@ def _full(model: Any, prefill: Prefill, cfg: IceCacheConfig) -> Any:
 
 def _streaming(model: Any, prefill: Prefill, cfg: IceCacheConfig) -> IceCache:
     c = for_pager(cfg, "sequential", window=cfg.window + cfg.budget, budget=0)
-    return IceCache(model.config, c).load_prefill(prefill.kv)
+    return IceCache.from_dense(prefill.kv, c, model_config=model.config)
 
 
 def _snapkv(model: Any, prefill: Prefill, cfg: IceCacheConfig) -> IceCache:
@@ -137,7 +137,7 @@ def _snapkv(model: Any, prefill: Prefill, cfg: IceCacheConfig) -> IceCache:
         mid[: max(n, 0)] = scores[lo : lo + max(n, 0)]
         return FixedScorePager(head_dim, mid)
 
-    return IceCache(model.config, for_pager(cfg, "exact"), pager_factory=factory).load_prefill(prefill.kv)
+    return IceCache.from_dense(prefill.kv, for_pager(cfg, "exact"), model_config=model.config, pager_factory=factory)
 
 
 def get_method(name: str) -> Method:

@@ -30,12 +30,12 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from icecache.core.errors import ConfigError
 from icecache.core.texts import long_text_ids, real_text
-from icecache.runtime.attention import icecache_attention
+from icecache.runtime.attention import icecache_attention, use_attention
 
 CAPTURE_NAME = "icecache_capture"
 
 __all__ = [
-    "CAPTURE_NAME", "Capture", "Recorder", "attention_impl", "recording", "capture_kv", "capture_qk", "time_decode_steps",
+    "CAPTURE_NAME", "Capture", "Recorder", "recording", "capture_kv", "capture_qk", "time_decode_steps",
     "long_text", "prompt_ids",
 ]
 
@@ -149,22 +149,11 @@ AttentionMaskInterface.register(CAPTURE_NAME, sdpa_mask)
 
 
 @contextlib.contextmanager
-def attention_impl(model: Any, name: str) -> Iterator[None]:
-    """Switch ``model`` to the attention implementation ``name`` for the block (restored also on error)."""
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(name)
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(previous)
-
-
-@contextlib.contextmanager
 def recording(model: Any, recorder: Recorder | None = None, **options: Any) -> Iterator[Capture]:
     """Within the block, ``model``'s forward passes (in this thread) record into ``recorder`` (or a new
     `Recorder(**options)`); yields its `Capture`, filled as the passes run."""
     rec = recorder if recorder is not None else Recorder(**options)
-    with attention_impl(model, CAPTURE_NAME), _CAPTURE.activate(rec):
+    with use_attention(model, CAPTURE_NAME), _CAPTURE.activate(rec):
         yield rec.out
 
 

@@ -264,7 +264,7 @@ def measure_runtime_layer(
                 layer = cache.layers[0]
                 layer.update(torch.randn(1, H, n, head_dim, generator=g, dtype=dtype), torch.randn(1, H, n, head_dim, generator=g, dtype=dtype))
                 layer.finish_prefill(None)
-                cache.pipeline.wait_all()
+                cache.workers.wait_all()
                 m = len(layer.pagers[0][0])
                 if not traced:  # ---- bulk loader at controlled new tokens per head
                     first = [[rng.choice(m, budget, replace=False) for _ in range(H)]]
@@ -293,7 +293,7 @@ def measure_runtime_layer(
                 for r in range(reps + 2):
                     k1 = torch.randn(1, H, 1, head_dim, generator=g, dtype=dtype)
                     q = torch.randn(1, H * group, 1, head_dim, generator=g, dtype=dtype)
-                    cache.pipeline.wait(0)  # the previous step's prefetched insert, outside the timed span
+                    cache.workers.wait(0)  # the previous step's prefetched insert, outside the timed span
                     before = dict(cache.timer.seconds)
                     t0 = time.perf_counter()
                     kk, vv = cache.update(k1, k1.clone(), 0)
@@ -302,7 +302,7 @@ def measure_runtime_layer(
                     stages = {s_: cache.timer.seconds[s_] - before.get(s_, 0.0) for s_ in cache.timer.seconds}
                     if r >= 2:  # step 0 inserts synchronously (nothing prefetched yet); step 1 is a warm-up
                         rows.append({"wall": wall, **stages})
-                cache.pipeline.wait_all()
+                cache.workers.wait_all()
                 row = {"heads": H, "group": group, "head_dim": head_dim, "n": n, "budget": budget, "trace": traced, "steps": rows}
                 if not traced:  # ---- the same steps with the insert done synchronously (what the worker job runs)
                     pager_s = [0.0]
@@ -351,7 +351,7 @@ def measure_prefill_pipeline(
 
     from icecache.core.config import IceCacheConfig
     from icecache.runtime.cache import IceCache
-    from icecache.runtime.generate import icecache_attention
+    from icecache.runtime.attention import use_attention
 
     methods = ["full", *pagers]
     rows = {(n, m): {"tokens": n, "method": m, "ttft_s": [], "tt2t_s": [], "index_build_s": []} for n in tokens for m in methods}
@@ -369,7 +369,7 @@ def measure_prefill_pipeline(
                 model.generate(**kw)
             return clock.t[1] - t0, clock.t[2] - t0, 0.0
         cfg = IceCacheConfig(index=m, budget=budget, page_size=page_size, threads=threads, seed=seed)
-        with icecache_attention(model), IceCache(model.config, cfg) as cache:
+        with use_attention(model), IceCache(model.config, cfg) as cache:
             t0 = time.perf_counter()
             with torch.inference_mode():
                 model.generate(**kw, past_key_values=cache)

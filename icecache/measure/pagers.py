@@ -118,7 +118,7 @@ def measure_decode_index(
 
     from icecache.core.config import IceCacheConfig
     from icecache.runtime.cache import IceCache
-    from icecache.runtime.generate import icecache_attention
+    from icecache.runtime.attention import use_attention
 
     if steps < 1 or rounds < 1:
         raise ConfigError(f"decode index timing needs steps >= 1 and rounds >= 1, got {steps} and {rounds}")
@@ -147,10 +147,10 @@ def measure_decode_index(
         sel_s: list[float] = []
         ins_s: list[float] = []
         step_s: list[float] = []
-        with torch.inference_mode(), icecache_attention(model), IceCache(model.config, cfg) as cache:
+        with torch.inference_mode(), use_attention(model), IceCache(model.config, cfg) as cache:
             cache.prefetch_inserts = False  # the insert on the decode thread, timed in the step
             logits = model(input_ids[:, :tokens], past_key_values=cache, use_cache=True, logits_to_keep=1).logits
-            cache.pipeline.wait_all()
+            cache.workers.wait_all()
             jobs = 0
             for layer in cache.layers:
                 for row in getattr(layer, "pagers", None) or []:

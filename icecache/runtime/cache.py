@@ -89,6 +89,8 @@ class IceCache(Cache):
         H = text_cfg.num_key_value_heads or text_cfg.num_attention_heads
         D = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads
         types = list(getattr(text_cfg, "layer_types", None) or ["full_attention"] * n_layers)
+        if pager_factory is None:  # an unknown pager or pager parameter fails here, before any prefill
+            make_pager(self.ice.index, head_dim=D, page_size=self.ice.page_size, seed=self.ice.seed, **self.ice.index_params)
         self.pager_factory = pager_factory or self._default_pager
         #: insert the token that will leave the window next step on a worker during this step (exact semantics)
         self.prefetch_inserts = True
@@ -121,11 +123,6 @@ class IceCache(Cache):
         self._finalizer = weakref.finalize(self, IndexWorkers.close, self.workers)
 
     @property
-    def pipeline(self) -> IndexWorkers:
-        # TODO(coordinator): remove alias once sim/calibrate.py, eval/kvpress_check.py and experiments/ use `workers`
-        return self.workers
-
-    @property
     def counters(self) -> dict[str, int]:
         """Cumulative decode counters (`selection.COUNTERS`)."""
         return self.accounting.counters
@@ -138,6 +135,29 @@ class IceCache(Cache):
     def _default_pager(self, layer_idx: int, row: int, kv_head: int, head_dim: int) -> Any:
         cfg = self.ice
         return make_pager(cfg.index, head_dim=head_dim, page_size=cfg.page_size, seed=cfg.seed, record_moves=True, **cfg.index_params)
+
+    @classmethod
+    def from_dense(cls, dense: Any, config: IceCacheConfig | None = None, *, model_config: Any,
+                   attention_mask: torch.Tensor | None = None, pager_factory: Any = None,
+                   max_cache_len: int | None = None) -> IceCache:
+        """Build an `IceCache` from a prompt that was already prefilled densely, without running it again.
+
+        ``dense`` is a transformers cache holding the prompt's K/V (a `DynamicCache` after ``model(ids,
+        past_key_values=dense)``); it is read, never changed, so one dense prefill serves any number of
+        methods, budgets and configs (each call builds its own host store and indexes). To ask several
+        questions about one long document, prefill the document once, extend a copy of the dense cache with
+        each question (a dense forward of the question tokens only), and build from that. Decoding from the
+        result gives token for token what prefilling the same prompt through an `IceCache` gives.
+
+        ``model_config`` is the model's config (``model.config``); ``attention_mask`` ``[B, T]`` marks real
+        tokens (left padding). The other arguments are `IceCache`'s.
+        """
+        cache = cls(model_config, config, pager_factory=pager_factory, max_cache_len=max_cache_len)
+        try:
+            return cache.load_prefill(dense, attention_mask)
+        except BaseException:
+            cache.close()
+            raise
 
     def load_prefill(self, past_key_values: Any, attention_mask: torch.Tensor | None = None) -> IceCache:
         """Start from an already computed dense prefill (a `DynamicCache`) instead of running it again.

@@ -20,11 +20,6 @@ from icecache.core.config import IceCacheConfig
 from icecache.core.errors import ConfigError, InputError
 from icecache.runtime.attention import use_attention
 
-#: TODO(coordinator): remove alias once sim/calibrate.py, eval/harness.py, tests/test_eval.py and experiments/
-#: use `icecache.runtime.attention.use_attention`.
-icecache_attention = use_attention
-
-
 @dataclass
 class GenerationResult:
     """The continuation and how long it took (TTFT = prefill + first token; TPOT per vLLM)."""
