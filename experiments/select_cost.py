@@ -26,12 +26,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from icecache import IceCache, IceCacheConfig  # noqa: E402
-from icecache.eval.tasks import text_window  # noqa: E402
-from icecache.indexes import make_pager  # noqa: E402
-from icecache.runtime.attention import use_attention  # noqa: E402
-from icecache.runtime.models import load_model  # noqa: E402
-from tpot_interleaved import decode_block  # noqa: E402  (experiments/ is this script's directory)
+from tpot_interleaved import decode_block
+
+from icecache import IceCache, IceCacheConfig
+from icecache.eval.tasks import text_window
+from icecache.indexes import make_pager
+from icecache.runtime.attention import use_attention
+from icecache.runtime.models import load_model
 
 
 def decode(model, cache, tok: torch.Tensor, steps: int) -> tuple[torch.Tensor, float]:

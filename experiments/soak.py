@@ -23,10 +23,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-import icecache  # noqa: E402
-from icecache import IceCacheConfig  # noqa: E402
-from icecache.eval.soak import soak  # noqa: E402
-from icecache.eval.tasks import text_window  # noqa: E402
+import icecache
+from icecache import IceCacheConfig
+from icecache.eval.soak import soak
+from icecache.eval.tasks import text_window
 
 
 def main() -> int:

@@ -26,11 +26,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from icecache import IceCache, IceCacheConfig  # noqa: E402
-from icecache.cli import parse_pager_spec  # noqa: E402
-from icecache.eval.tasks import text_window  # noqa: E402
-from icecache.runtime.attention import use_attention  # noqa: E402
-from icecache.runtime.models import load_model  # noqa: E402
+from icecache import IceCache, IceCacheConfig
+from icecache.cli import parse_pager_spec
+from icecache.eval.tasks import text_window
+from icecache.runtime.attention import use_attention
+from icecache.runtime.models import load_model
 
 
 def variant_config(spec: str) -> IceCacheConfig:

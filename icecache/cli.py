@@ -6,7 +6,8 @@ import argparse
 import json
 import platform
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 
 def _versions() -> dict[str, str]:

@@ -8,14 +8,13 @@ import sys
 
 import pytest
 import torch
+from conftest import make_tiny_llama
 
 from icecache import IceCacheConfig
 from icecache.cli import ICE_OPTIONS, _ice_config, build_parser, main
 from icecache.core.errors import ConfigError
 from icecache.eval.harness import run_prefill
 from icecache.eval.methods import get_method
-
-from conftest import make_tiny_llama
 
 #: A value for each IceCache flag that differs from the config default, and the field value it must give.
 FLAG_VALUES = {

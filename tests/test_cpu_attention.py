@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import torch
-from hypothesis import example, given, settings, strategies as st
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from icecache.runtime.cpu_attention import sparse_attention_cpu
 

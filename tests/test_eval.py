@@ -7,14 +7,13 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import make_tiny_llama
 
 from icecache import IceCache, IceCacheConfig
 from icecache.eval.harness import clone_kv, decode_forced, decode_greedy, run_prefill
 from icecache.eval.methods import FixedScorePager, get_method
 from icecache.eval.runner import EvalSpec, bootstrap, markdown, parse_length, run_eval, summarize, wilson
 from icecache.runtime.attention import use_attention
-
-from conftest import make_tiny_llama
 
 
 def test_wilson_and_bootstrap():

@@ -286,7 +286,7 @@ def test_quality_on_clustered_keys():
     seq.build(X)
     g = torch.Generator().manual_seed(5)
     rec, rec_ex, rec_seq = [], [], []
-    for i in range(20):
+    for _ in range(20):
         q = X[torch.randint(0, len(X), (3,), generator=g)] + 0.3 * torch.randn(3, d, generator=g)
         for pager, out in ((p, rec), (ex, rec_ex), (seq, rec_seq)):
             out.append(attention_recall(q, X, pager.select(q, 128).positions))

@@ -41,7 +41,7 @@ def test_kmeans_reference_pages():
     km = KMeansPages(16, seed=0)
     km.build(x, 250)
     assert 240 <= km.table.num_pages <= 250
-    for i in range(20):
+    for _ in range(20):
         km.insert(torch.randn(8))
     km.table.check()
     sel = km.select(torch.randn(3, 8), 128)

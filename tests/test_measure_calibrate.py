@@ -142,7 +142,7 @@ def test_merging_profiles_keeps_what_was_not_remeasured():
     from icecache.measure.calibrate import merge_profiles
     from icecache.sim.testing import synthetic_profile
 
-    rows = lambda t: [{"context": 128, "seconds": [t]}, {"context": 8192, "seconds": [2 * t]}]  # noqa: E731
+    rows = lambda t: [{"context": 128, "seconds": [t]}, {"context": 8192, "seconds": [2 * t]}]
     base = dataclasses.replace(synthetic_profile(), samples={"decode_step": rows(0.04), "copy": [{"bytes": 1e6, "seconds": [1e-4]}]})
     new = dataclasses.replace(synthetic_profile(), created="later", samples={"decode_step": rows(0.4), "copy": [{"bytes": 1e6, "seconds": [2e-4]}]})
     m = merge_profiles(base, new, ["loader"])

@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 import icecache
 from icecache.core.errors import ModelLoadError, UnknownNameError

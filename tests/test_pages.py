@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from icecache.core.pages import PageTable
 
@@ -105,7 +106,7 @@ def test_take_within_budget_matches_the_budget_rule_and_csr(page_size, ops, budg
 
 def test_free_ids_are_recycled_last_in_first_out():
     t = PageTable(4)
-    a, b, c = t.new_page([0]), t.new_page([1]), t.new_page([2])
+    a, _, c = t.new_page([0]), t.new_page([1]), t.new_page([2])
     t.remove(0)
     t.remove(2)
     assert t.num_pages == 1

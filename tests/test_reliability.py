@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import math
-
 import gc
 import json
+import math
 import os
 import shutil
 import threading

@@ -7,13 +7,12 @@ import math
 
 import pytest
 import torch
+from conftest import make_tiny_llama
 
 from icecache import IceCacheConfig
 from icecache.core.errors import ConfigError
 from icecache.eval.ruler.report import bootstrap_average, complete_scores, markdown, summarize
 from icecache.eval.ruler.runner import PredictionLog, RulerSpec, pending_units, run_ruler
-
-from conftest import make_tiny_llama
 
 
 class CharTokenizer:

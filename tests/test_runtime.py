@@ -283,7 +283,7 @@ def test_two_threads_two_caches_do_not_interfere():
                 seq, _, c = run(model, ids, mask, cfg, steps=12)
                 c.close()
                 results[i] = seq
-        except BaseException as exc:  # noqa: BLE001  # pragma: no cover - reported below
+        except BaseException as exc:  # pragma: no cover - reported below
             errors.append(exc)
 
     threads = [threading.Thread(target=work, args=(i, m)) for i, m in enumerate((m1, m2))]

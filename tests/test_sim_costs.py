@@ -14,9 +14,16 @@ from hypothesis import strategies as st
 from icecache.core.errors import ConfigError, UnknownNameError
 from icecache.sim import anchors
 from icecache.sim.closed_forms import lpt_makespan_s, transfer_time_s
+from icecache.sim.hardware import (
+    HARDWARE,
+    canonical_hardware,
+    derive_decode_constants,
+    get_hardware,
+    make_costs,
+    resolve_host_scale,
+)
 from icecache.sim.predictors import ExtrapolationError, ExtrapolationWarning, Predictor, fit_predictor
 from icecache.sim.profile import CalibrationProfile
-from icecache.sim.hardware import HARDWARE, canonical_hardware, derive_decode_constants, get_hardware, make_costs, resolve_host_scale
 from icecache.sim.shapes import SHAPES, ModelShape, get_shape
 from icecache.sim.testing import synthetic_profile
 

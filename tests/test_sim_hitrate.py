@@ -10,7 +10,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from icecache.core.errors import ConfigError, InputError
-from icecache.sim.predictors import ExtrapolationError
 from icecache.sim.hitrate import (
     ParametricHitModel,
     PriorHitModel,
@@ -22,6 +21,7 @@ from icecache.sim.hitrate import (
     trace_step_loads,
     write_trace,
 )
+from icecache.sim.predictors import ExtrapolationError
 
 
 @settings(max_examples=20)

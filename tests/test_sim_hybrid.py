@@ -7,9 +7,9 @@ import dataclasses
 import pytest
 
 from icecache.core.errors import ConfigError
+from icecache.sim.config import SimConfig, layer_roles
 from icecache.sim.hardware import get_hardware, make_costs
 from icecache.sim.hitrate import HitStats
-from icecache.sim.config import SimConfig, layer_roles
 from icecache.sim.model import device_kv_bytes_by_role, simulate
 from icecache.sim.plans import plan_prefill
 from icecache.sim.shapes import get_shape, register_shape, shape_from_config, shape_from_dict, shape_to_dict
@@ -59,7 +59,7 @@ def test_gemma_parameter_count_matches_the_gguf_file():
     gguf = pytest.importorskip("gguf")
     r = gguf.GGUFReader(str(path))
     assert GEMMA.total_params() == sum(int(t.n_elements) for t in r.tensors)
-    field = lambda k: int(r.fields[k].parts[r.fields[k].data[0]][0])  # noqa: E731
+    field = lambda k: int(r.fields[k].parts[r.fields[k].data[0]][0])
     assert field("gemma3.block_count") == GEMMA.layers and field("gemma3.attention.sliding_window") == GEMMA.sliding_window
     assert field("gemma3.attention.head_count_kv") == GEMMA.kv_heads and field("gemma3.attention.key_length") == GEMMA.head_dim
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from icecache.core.transform import key_key_distance, max_sq_norm, transform_keys, transform_queries
 

@@ -34,9 +34,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
-from icecache.sim.cost_models import MeasuredCosts  # noqa: E402
-from icecache.sim.profile import CalibrationProfile  # noqa: E402
-from icecache.sim.shapes import shape_from_config  # noqa: E402
+from icecache.sim.cost_models import MeasuredCosts
+from icecache.sim.profile import CalibrationProfile
+from icecache.sim.shapes import shape_from_config
 
 # The tiny soak's cache configuration (experiments/soak.py), for soak files written before runs recorded theirs.
 BUDGET, PAGE, SINK, WINDOW = 64, 8, 4, 32

@@ -23,9 +23,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-import icecache.eval.soak as soak_mod  # noqa: E402
-from icecache import IceCacheConfig  # noqa: E402
-from icecache.indexes.hnsw import HNSWPager  # noqa: E402
+import icecache.eval.soak as soak_mod
+from icecache import IceCacheConfig
+from icecache.indexes.hnsw import HNSWPager
 
 
 def main() -> int:

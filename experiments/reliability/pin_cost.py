@@ -17,8 +17,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from icecache.indexes import make_pager  # noqa: E402
-from icecache.runtime.malloc import pin_mmap_threshold  # noqa: E402
+from icecache.indexes import make_pager
+from icecache.runtime.malloc import pin_mmap_threshold
 
 
 def main() -> None:

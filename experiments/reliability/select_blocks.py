@@ -22,9 +22,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
-from icecache import IceCacheConfig  # noqa: E402
-from icecache.runtime.cache import IceCache  # noqa: E402
-from icecache.runtime.attention import use_attention  # noqa: E402
+from icecache import IceCacheConfig
+from icecache.runtime.attention import use_attention
+from icecache.runtime.cache import IceCache
 
 BLOCK = 250
 

@@ -108,7 +108,7 @@ class IceCacheConfig:
         """Resolved thread count (``threads``, or every CPU when 0)."""
         return self.threads or (os.cpu_count() or 1)
 
-    def replace(self, **changes: Any) -> "IceCacheConfig":
+    def replace(self, **changes: Any) -> IceCacheConfig:
         """A validated copy with some fields changed."""
         return dataclasses.replace(self, **changes)
 

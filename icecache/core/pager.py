@@ -60,7 +60,7 @@ class PageSelection:
         return int(self.positions.numel())
 
     @classmethod
-    def empty(cls) -> "PageSelection":
+    def empty(cls) -> PageSelection:
         z = torch.zeros(0, dtype=torch.int64)
         return cls(pages=z, indptr=torch.zeros(1, dtype=torch.int64), positions=z, scores=torch.zeros(0))
 

@@ -25,7 +25,8 @@ overwrite it (splits move into a fresh page; removals move the last slot into th
 
 from __future__ import annotations
 
-from typing import Iterable, NamedTuple, Sequence
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 from numba import njit

@@ -8,9 +8,10 @@ name order. A leaf module: it imports no torch; a tokenizer is passed in.
 from __future__ import annotations
 
 import sysconfig
+from collections.abc import Iterator
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 __all__ = ["real_text", "stdlib_sources", "long_text_ids"]
 

@@ -8,8 +8,9 @@ the cost. Decoding is a plain greedy loop (`decode_greedy`) or teacher forcing (
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from transformers import DynamicCache

@@ -24,9 +24,9 @@ from transformers import DynamicCache
 
 from icecache.core.config import IceCacheConfig
 from icecache.eval.harness import decode_greedy, run_prefill
-from icecache.runtime.attention import use_attention
 from icecache.eval.methods import get_method
 from icecache.eval.passkey import make_passkey, passkey_correct
+from icecache.runtime.attention import use_attention
 from icecache.runtime.cache import IceCache
 
 

@@ -19,8 +19,9 @@ slots; they differ only in which middle tokens fill the budget slots.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch

@@ -41,9 +41,10 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from icecache.core.errors import ConfigError, IceCacheError
 from icecache.measure.capture import capture_qk, prompt_ids
@@ -113,7 +114,7 @@ class CalibrationSettings:
     seed: int = 0
 
     @classmethod
-    def quick(cls) -> "CalibrationSettings":
+    def quick(cls) -> CalibrationSettings:
         """A few seconds' worth (tests and smoke runs; too small to fit reliable costs)."""
         return cls(
             contexts=(32, 64, 128), attention_tokens=(32, 128, 256), prefill_tokens=(16, 32, 64), qk_tokens=64,
@@ -315,7 +316,7 @@ def run_calibration(
             s.pipeline_rounds, s.seed)
     info["loadavg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     wall = time.perf_counter() - t0
-    created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    created = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
     profile = CalibrationProfile(
         machine=info,
         versions=software_versions(),

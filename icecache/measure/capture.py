@@ -21,8 +21,9 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import torch
 from transformers import AttentionInterface

@@ -14,7 +14,8 @@ the simulator's predictors.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -244,11 +245,10 @@ def measure_runtime_layer(
     """
     import types
 
-    from icecache.runtime.attention import icecache_attention
-
     import torch
 
     from icecache.core.config import IceCacheConfig
+    from icecache.runtime.attention import icecache_attention
     from icecache.runtime.cache import IceCache
     from icecache.runtime.timing import StageTimer
 
@@ -308,12 +308,12 @@ def measure_runtime_layer(
                     pager_s = [0.0]
                     for prow in layer.pagers:
                         for pg in prow:
-                            def timed_insert(*a: Any, _f: Any = pg.insert, **kw: Any) -> Any:
+                            def timed_insert(*a: Any, _f: Any = pg.insert, _total: list[float] = pager_s, **kw: Any) -> Any:
                                 t0 = time.perf_counter()
                                 try:
                                     return _f(*a, **kw)
                                 finally:
-                                    pager_s[0] += time.perf_counter() - t0
+                                    _total[0] += time.perf_counter() - t0
                             pg.insert = timed_insert
                     cache.prefetch_inserts = False
                     sync: list[dict[str, float]] = []
@@ -350,8 +350,8 @@ def measure_prefill_pipeline(
     import torch
 
     from icecache.core.config import IceCacheConfig
-    from icecache.runtime.cache import IceCache
     from icecache.runtime.attention import use_attention
+    from icecache.runtime.cache import IceCache
 
     methods = ["full", *pagers]
     rows = {(n, m): {"tokens": n, "method": m, "ttft_s": [], "tt2t_s": [], "index_build_s": []} for n in tokens for m in methods}

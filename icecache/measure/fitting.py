@@ -4,7 +4,8 @@ meta values (pool efficiency, background share)."""
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from icecache.core.errors import ConfigError
 from icecache.measure.components import filled_cache
@@ -117,8 +118,8 @@ def measure_decode_index(
     import torch
 
     from icecache.core.config import IceCacheConfig
-    from icecache.runtime.cache import IceCache
     from icecache.runtime.attention import use_attention
+    from icecache.runtime.cache import IceCache
 
     if steps < 1 or rounds < 1:
         raise ConfigError(f"decode index timing needs steps >= 1 and rounds >= 1, got {steps} and {rounds}")
@@ -134,7 +135,7 @@ def measure_decode_index(
             continue
         acc = {"select": 0.0, "insert": 0.0, "selects": 0, "inserts": 0}
 
-        def timed(fn: Callable[..., Any], what: str) -> Callable[..., Any]:
+        def timed(fn: Callable[..., Any], what: str, acc: dict[str, float] = acc) -> Callable[..., Any]:
             def run(*a: Any, **k: Any) -> Any:
                 t0 = time.perf_counter()
                 try:
@@ -261,11 +262,11 @@ def measure_background_share(
         # completed two jobs (at most 20 batches), so that a job longer than one foreground still gets counted
         batch = max(1, math.ceil(3 * job_s / max(min(warm), 1e-6)))
         calls: list[int] = []
-        for r in range(fg_reps):
+        for _ in range(fg_reps):
             stop = threading.Event()
             done[0] = 0
 
-            def loop() -> None:
+            def loop(stop: threading.Event = stop, job: Callable[[], Any] = job, done: list[int] = done) -> None:
                 while not stop.is_set():
                     job()
                     done[0] += 1

@@ -11,8 +11,8 @@ from __future__ import annotations
 import hashlib
 import inspect
 import platform
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from icecache.sim.profile import CalibrationProfile
 

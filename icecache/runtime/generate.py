@@ -20,6 +20,7 @@ from icecache.core.config import IceCacheConfig
 from icecache.core.errors import ConfigError, InputError
 from icecache.runtime.attention import use_attention
 
+
 @dataclass
 class GenerationResult:
     """The continuation and how long it took (TTFT = prefill + first token; TPOT per vLLM)."""

@@ -20,8 +20,8 @@ import json
 import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from icecache.core.errors import IceCacheError
 
@@ -40,7 +40,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="hit-rate source: a fitted hit model (.json) or selection traces (.jsonl or .jsonl.gz, several); default: prior")
 
 
-def _simulator(args: argparse.Namespace):  # noqa: ANN202 - a Simulator
+def _simulator(args: argparse.Namespace):
     from icecache.sim.inputs import load_hit, load_profile
     from icecache.sim.simulator import Simulator
 

@@ -8,7 +8,7 @@ A transfer costs ``calls * alpha + bytes / bandwidth``; identical jobs on a pool
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 from icecache.core.errors import ConfigError
 

@@ -117,7 +117,7 @@ class SimConfig:
         """Mean context over the decode steps TPOT averages."""
         return self.context + self.new_tokens // 2
 
-    def replace(self, **changes: Any) -> "SimConfig":
+    def replace(self, **changes: Any) -> SimConfig:
         return replace(self, **changes)
 
 

@@ -7,8 +7,9 @@ formulas in `icecache.sim.predictors`. Units: seconds (``_s``), bytes, bytes per
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from icecache.core.errors import ConfigError
 from icecache.sim.closed_forms import transfer_time_s

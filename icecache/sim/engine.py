@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
-from typing import Generator, Sequence
 
 import simpy
 

@@ -19,8 +19,9 @@ fitted to the paper's A100 DCI time when a profile with the ``mdci`` pager is at
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, fields, is_dataclass, replace
-from typing import Any, Iterator
+from typing import Any
 
 from icecache.core.errors import ConfigError, UnknownNameError
 from icecache.sim import anchors

@@ -29,9 +29,10 @@ import dataclasses
 import gzip
 import json
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Protocol, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -330,7 +331,7 @@ class ParametricHitModel:
     fallback: dict[str, str] = field(default_factory=lambda: {"icecache-r": "icecache"})
 
     @classmethod
-    def fit(cls, summaries: Iterable[TraceSummary], ridge: float = 1e-2, extrapolation: str = "warn") -> "ParametricHitModel":
+    def fit(cls, summaries: Iterable[TraceSummary], ridge: float = 1e-2, extrapolation: str = "warn") -> ParametricHitModel:
         """Fit per variant; the slopes are shrunk towards 0 (``ridge``), so one trace gives constants."""
         check_policy(extrapolation)
         by_variant: dict[str, list[TraceSummary]] = {}
@@ -385,7 +386,7 @@ class ParametricHitModel:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], extrapolation: str | None = None) -> "ParametricHitModel":
+    def from_dict(cls, d: dict[str, Any], extrapolation: str | None = None) -> ParametricHitModel:
         return cls(
             coefs={v: {q: tuple(c) for q, c in qs.items()} for v, qs in d["coefs"].items()},
             ranges={v: {k: tuple(r) for k, r in rs.items()} for v, rs in d["ranges"].items()},  # type: ignore[misc]
@@ -401,7 +402,7 @@ class ParametricHitModel:
         return p
 
     @classmethod
-    def load(cls, path: str | Path, extrapolation: str | None = None) -> "ParametricHitModel":
+    def load(cls, path: str | Path, extrapolation: str | None = None) -> ParametricHitModel:
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"no hit model at {p}")

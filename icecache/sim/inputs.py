@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import os
 import shlex
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from icecache.core.errors import ConfigError
 from icecache.sim.hitrate import HitModel, load_hit_model

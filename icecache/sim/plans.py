@@ -8,8 +8,8 @@ the paper's per-step component totals over the layers.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from icecache.core.errors import ConfigError
 from icecache.sim.config import SimConfig, layer_roles

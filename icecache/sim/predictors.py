@@ -10,8 +10,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Sequence
+from typing import Any, Literal
 
 import numpy as np
 
@@ -151,7 +152,7 @@ class Predictor:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Predictor":
+    def from_dict(cls, d: dict[str, Any]) -> Predictor:
         return cls(
             name=d["name"], form=d["form"], features=tuple(d["features"]), params=tuple(float(v) for v in d["params"]),
             lo=tuple(float(v) for v in d["lo"]), hi=tuple(float(v) for v in d["hi"]),

@@ -94,7 +94,7 @@ class CalibrationProfile:
         }
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "CalibrationProfile":
+    def from_dict(cls, d: dict[str, Any]) -> CalibrationProfile:
         if not isinstance(d, dict):
             raise ConfigError(f"a calibration profile is a JSON object, got {type(d).__name__}")
         if d.get("schema") != PROFILE_SCHEMA:
@@ -122,7 +122,7 @@ class CalibrationProfile:
         return p
 
     @classmethod
-    def load(cls, path: str | Path) -> "CalibrationProfile":
+    def load(cls, path: str | Path) -> CalibrationProfile:
         """Read a profile (`ConfigError` when the file is missing or not a profile)."""
         p = Path(path)
         if not p.is_file():

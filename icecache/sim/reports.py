@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from icecache.core.report import write_csv
 from icecache.sim import anchors

@@ -245,20 +245,20 @@ def get_shape(name: str) -> ModelShape:
 def shape_from_config(config: object, name: str, source: str = "transformers config") -> ModelShape:
     """A `ModelShape` read from a transformers config (Llama-style attribute names; ``layer_types`` and
     ``sliding_window`` give the sliding layers of hybrid models; Gemma 3 has 4 norms per layer and q/k norms)."""
-    q = int(getattr(config, "num_attention_heads"))
-    hidden = int(getattr(config, "hidden_size"))
+    q = int(config.num_attention_heads)
+    hidden = int(config.hidden_size)
     types = list(getattr(config, "layer_types", None) or [])
     sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
     mt = str(getattr(config, "model_type", ""))
     return ModelShape(
         name=name,
-        layers=int(getattr(config, "num_hidden_layers")),
+        layers=int(config.num_hidden_layers),
         q_heads=q,
         kv_heads=int(getattr(config, "num_key_value_heads", None) or q),
         head_dim=int(getattr(config, "head_dim", None) or hidden // q),
         hidden=hidden,
-        intermediate=int(getattr(config, "intermediate_size")),
-        vocab=int(getattr(config, "vocab_size")),
+        intermediate=int(config.intermediate_size),
+        vocab=int(config.vocab_size),
         tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         qk_norm=mt.startswith(("qwen3", "gemma3")),
         max_context=int(getattr(config, "max_position_embeddings", 2048)),

@@ -40,7 +40,7 @@ class Simulator:
             self._costs[key] = make_costs(hw, self.profile, self.extrapolation)
         return self._costs[key]
 
-    def with_costs(self, hardware: str, costs: CostModel) -> "Simulator":
+    def with_costs(self, hardware: str, costs: CostModel) -> Simulator:
         """A simulator like this one whose ``hardware`` answers from ``costs`` (a what-if)."""
         alt = Simulator(self.profile, self.hit, self.extrapolation)
         alt._costs = {**self._costs, canonical_hardware(hardware): costs}

@@ -17,9 +17,10 @@ import math
 import os
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from icecache.core.errors import ConfigError, UnknownNameError
 from icecache.core.report import parse_tokens, write_csv
@@ -84,7 +85,7 @@ class SweepSpec:
 
     @classmethod
     def from_strings(cls, *, hardware: str, models: str, contexts: str, budgets: str, page_sizes: str, threads: str,
-                     variants: str, reuse_every: int = 1, impl: str = "runtime", dense_layers: Sequence[int] = (0, 1)) -> "SweepSpec":
+                     variants: str, reuse_every: int = 1, impl: str = "runtime", dense_layers: Sequence[int] = (0, 1)) -> SweepSpec:
         def ints(s: str) -> tuple[int, ...]:
             return tuple(parse_tokens(x) for x in str(s).split(",") if x.strip())
 

@@ -27,9 +27,10 @@ import math
 import random
 import shlex
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from icecache.core.errors import ConfigError, InputError
 from icecache.sim.config import SimConfig
@@ -69,7 +70,7 @@ class MeasuredRun:
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], where: str = "") -> "MeasuredRun":
+    def from_dict(cls, d: dict[str, Any], where: str = "") -> MeasuredRun:
         missing = [k for k in REQUIRED if k not in d]
         if missing:
             raise InputError(f"measured run {where}lacks {missing}")
@@ -262,7 +263,7 @@ class Corrections:
 def fit_corrections(preds: Sequence[Prediction], runs: Sequence[MeasuredRun], lo: float = 0.05, hi: float = 20.0) -> Corrections:
     """Ratio-of-sums factors over the given (calibration) runs, clamped to ``[lo, hi]``; 1 where undefined.
     A variant's rest factor counts only runs that report every stage the prediction has (full attention: none)."""
-    clamp = lambda num, den: min(max(num / den, lo), hi) if den > 0 and num > 0 else 1.0  # noqa: E731
+    clamp = lambda num, den: min(max(num / den, lo), hi) if den > 0 and num > 0 else 1.0
     factors = {}
     for s in RUNTIME_STAGES:
         num = sum(r.stage_seconds[s] for p, r in zip(preds, runs) if s in r.stage_seconds and p.stages.get(s, 0) > 0)

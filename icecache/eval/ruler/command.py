@@ -13,8 +13,9 @@ import os
 import shlex
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from icecache.core.errors import ConfigError
 

@@ -15,7 +15,8 @@ dense), and its cache grows with each generated token, while ours keeps the budg
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from icecache.core.config import IceCacheConfig
 from icecache.core.errors import ConfigError

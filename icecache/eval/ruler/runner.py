@@ -16,9 +16,10 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from icecache.core.config import IceCacheConfig
 from icecache.core.errors import ConfigError

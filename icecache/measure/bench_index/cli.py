@@ -10,9 +10,10 @@ import platform
 import shlex
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -248,7 +249,7 @@ def _quality_targets(budgets: Sequence[int], builds: dict[str, list[float]], tro
     """Issue 3's targets on part A: recall of mdci against sequential and k-means, build and select times."""
     summary_quality, targets = res.summary_quality, res.targets
     if 128 in budgets and 64 in budgets and 256 in budgets:
-        rm = lambda m, b: summary_quality[(m, b)]["attention_recall"]  # noqa: E731
+        rm = lambda m, b: summary_quality[(m, b)]["attention_recall"]
         if ("sequential", 128) in summary_quality:
             d1 = rm("mdci", 128) - rm("sequential", 128)
             targets.append(f"- recall@128 mdci {rm('mdci', 128):.4f} >= sequential {rm('sequential', 128):.4f}: "

@@ -9,7 +9,8 @@ last window. Plus a synthetic clustered set (`synthetic_clustered`).
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch

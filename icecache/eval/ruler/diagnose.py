@@ -1,0 +1,177 @@
+"""Why did a method lose a RULER sample? Classify each loss as model, budget, page miss or search miss.
+
+For a sample a method scored below 1:
+
+* ``model``   full attention fails it too (the model cannot do it at this length);
+* ``budget``  the exact top-B token oracle (``exact`` at the same budget) fails it too: B tokens are not enough;
+* ``search miss`` / ``page miss``: the oracle answers, the method does not. The sample is replayed: the method's
+  cache decodes the full-attention answer (teacher forcing), and at every step, sparse layer and KV head we
+  compare, over the prompt tokens that hold the answer (the needle values; `RulerSample.needle_spans`),
+  - the *search*: the pages the method selected,
+  - the *pages*: the same pager's own pages ranked exhaustively (every page scored by its best q.k over the
+    GQA group, whole pages in rank order within the budget: what a perfect search over these pages returns),
+  - the *oracle*: the exact top-B tokens.
+  If the exhaustive ranking of the pager's pages covers the answer tokens clearly better than the search did
+  (recall higher by more than ``margin``), the pages held the answer and the search did not reach them: a
+  *search miss*. Otherwise the answer tokens sit in pages that even a perfect ranking drops (split across
+  pages with irrelevant neighbours): a *page miss*.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+#: A search miss needs the exhaustive page ranking to beat the search's answer recall by more than this.
+SEARCH_MARGIN = 0.1
+
+
+@dataclass
+class Replay:
+    """Answer-token recall of one method's decode of one sample, averaged over steps, sparse layers and KV heads."""
+
+    search_recall: float
+    pages_recall: float
+    oracle_recall: float
+    steps: int
+    per_layer: dict[int, tuple[float, float, float]] = field(default_factory=dict)
+
+
+def answer_positions(tokenizer: Any, sample: Any) -> np.ndarray:
+    """Prompt token positions that hold the answers: tokens overlapping an answer string inside a needle span."""
+    enc = tokenizer(sample.prompt, return_offsets_mapping=True)
+    offsets = enc["offset_mapping"]
+    spans = []
+    for start, end in sample.needle_spans:
+        text = sample.prompt[start:end]
+        for answer in sample.answers:
+            at = text.find(answer)
+            if at >= 0:
+                spans.append((start + at, start + at + len(answer)))
+    return np.array(sorted({i for i, (a, b) in enumerate(offsets) if b > a and any(a < e and b > s for s, e in spans)}),
+                    dtype=np.int64)
+
+
+def _exhaustive_pages(pager: Any, keys: torch.Tensor, queries: torch.Tensor, budget: int) -> np.ndarray:
+    """Positions of the pager's own pages ranked by their best q.k over the group, whole pages within ``budget``."""
+    pages = pager.table.as_dict()
+    if not pages:
+        return np.zeros(0, np.int64)
+    best = (queries @ keys.T).max(0).values.numpy()  # [n]
+    ids = list(pages)
+    scores = np.array([best[pages[i]].max() for i in ids])
+    out, used = [], 0
+    for j in np.argsort(-scores, kind="stable"):
+        size = len(pages[ids[j]])
+        if used + size > budget:
+            break
+        out.append(pages[ids[j]])
+        used += size
+    return np.concatenate(out) if out else np.zeros(0, np.int64)
+
+
+def replay(model: Any, prefill: Any, cache: Any, tokens: list[int], answer_pos: np.ndarray) -> Replay:
+    """Teacher-force ``tokens`` through ``cache`` (an `IceCache` built from ``prefill``) and measure, at every
+    step and sparse layer / KV head, how many ``answer_pos`` (absolute prompt positions) each of search,
+    exhaustive pages and oracle would attend."""
+    import icecache.runtime.layer as layer_module
+    from icecache.runtime.attention import use_attention
+
+    budget = cache.ice.budget
+    sink = cache.ice.sink
+    records: list[tuple[int, float, float, float]] = []
+    real_select = layer_module.select_layer
+
+    def spy(pagers, queries, budget_, gqa, *, layer_idx, keep_pages=False):
+        sel = real_select(pagers, queries, budget_, gqa, layer_idx=layer_idx, keep_pages=keep_pages)
+        q = queries.detach().float().cpu()
+        for h, pager in enumerate(pagers[0]):
+            local = answer_pos - sink  # pager-local positions of the answer tokens
+            local = local[(local >= 0) & (local < len(pager))]
+            if local.size == 0:
+                continue
+            _, keys, _ = cache.layers[layer_idx].host_kv(0, h)
+            keys = keys.float()
+            oracle = np.argsort(-(q[0, h] @ keys.T).max(0).values.numpy(), kind="stable")[:budget]
+            exhaustive = _exhaustive_pages(pager, keys, q[0, h], budget)
+            records.append((layer_idx, *(float(np.isin(local, chosen).mean()) for chosen in (sel.positions[0][h], exhaustive, oracle))))
+        return sel
+
+    layer_module.select_layer = spy
+    try:
+        with use_attention(model), torch.no_grad():
+            for tok in tokens[:-1]:
+                model(torch.tensor([[tok]]), past_key_values=cache, use_cache=True)
+    finally:
+        layer_module.select_layer = real_select
+    if not records:
+        return Replay(float("nan"), float("nan"), float("nan"), 0)
+    arr = np.array([r[1:] for r in records])
+    layers = sorted({r[0] for r in records})
+    per_layer = {}
+    for layer in layers:
+        rows = np.array([r[1:] for r in records if r[0] == layer])
+        per_layer[layer] = tuple(float(x) for x in rows.mean(0))
+    return Replay(float(arr[:, 0].mean()), float(arr[:, 1].mean()), float(arr[:, 2].mean()), len(tokens) - 1, per_layer)
+
+
+def classify(full_score: float, oracle_score: float, replayed: Replay | None, margin: float = SEARCH_MARGIN) -> str:
+    """``model``, ``budget``, ``search miss`` or ``page miss`` (see the module docstring)."""
+    if full_score < 1.0:
+        return "model"
+    if oracle_score < 1.0:
+        return "budget"
+    if replayed is None or np.isnan(replayed.search_recall):
+        return "page miss"
+    return "search miss" if replayed.pages_recall > replayed.search_recall + margin else "page miss"
+
+
+def diagnose_losses(model: Any, tokenizer: Any, records: list[dict[str, Any]], method: str, budget: str, *,
+                    seed: int, config: Any, chat_template: bool, progress: bool = True) -> list[dict[str, Any]]:
+    """Classify every sample ``method@budget`` lost in ``records`` (one run's predictions). Returns one row
+    per lost sample: its key, the class and, for search/page misses, the replay's recalls."""
+    from tqdm.auto import tqdm
+
+    from icecache.eval.harness import clone_kv, decode_greedy, run_prefill
+    from icecache.eval.methods import get_method
+    from icecache.eval.ruler import make_sample, score_sample
+
+    index = {(r["task"], r["length"], r["index"], r["method"], str(r["budget"])): r for r in records}
+    lost = [r for r in records if r["method"] == method and str(r["budget"]) == budget and r["score"] < 1.0]
+    rows = []
+    for r in tqdm(lost, desc=f"diagnose {method}@{budget}", disable=not progress):
+        key = (r["task"], r["length"], r["index"])
+        full = index.get((*key, "full", "-"))
+        oracle = index.get((*key, "exact", budget))
+        if full is None or oracle is None:
+            continue  # the run has not answered this sample with full and exact yet
+        row = {"task": r["task"], "length": r["length"], "index": r["index"], "method": method, "budget": budget,
+               "score": r["score"], "full": full["score"], "oracle": oracle["score"]}
+        replayed = None
+        if full["score"] >= 1.0 and oracle["score"] >= 1.0:
+            sample = make_sample(r["task"], tokenizer, r["length"], seed=seed, index=r["index"], chat_template=chat_template)
+            ids = tokenizer(sample.prompt, return_tensors="pt")["input_ids"]
+            prefill = run_prefill(model, ids, obs_window=config.window)
+            reference = decode_greedy(model, clone_kv(prefill.kv), prefill.last_logits, sample.tokens_to_generate,
+                                      {tokenizer.eos_token_id},
+                                      stop_when=lambda t, s=sample: score_sample(s, tokenizer.decode(t, skip_special_tokens=True)) >= 1.0)
+            cache = get_method(method).cache(model, prefill, config.replace(budget=int(budget)))
+            try:
+                cache.workers.wait_all()
+                replayed = replay(model, prefill, cache, reference, answer_positions(tokenizer, sample))
+            finally:
+                cache.close()
+            row.update(search_recall=replayed.search_recall, pages_recall=replayed.pages_recall,
+                       oracle_recall=replayed.oracle_recall, steps=replayed.steps)
+        row["class"] = classify(full["score"], oracle["score"], replayed)
+        rows.append(row)
+    return rows
+
+
+def class_counts(rows: list[dict[str, Any]]) -> dict[str, int]:
+    counts = Counter(r["class"] for r in rows)
+    return {c: counts.get(c, 0) for c in ("model", "budget", "page miss", "search miss")}
