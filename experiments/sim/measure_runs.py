@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     import icecache
 
     model, tokenizer = icecache.load_model()
-    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    ints = lambda s: [int(x) for x in s.split(",") if x]
     grid = []
     for v in args.variants.split(","):
         for c in ints(args.contexts):

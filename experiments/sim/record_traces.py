@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     from icecache.measure.capture import capture_qk, prompt_ids
     from icecache.sim.hitrate import ParametricHitModel, Trace, summarize_trace, write_trace
 
-    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    ints = lambda s: [int(x) for x in s.split(",") if x]
     contexts = ints(args.contexts)
     t0 = time.perf_counter()
     model, tok = icecache.load_model()
