@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import icecache
 from icecache import IceCache, IceCacheConfig
+from icecache.measure.capture import left_padded_random_ids
 from icecache.runtime.attention import use_attention
 from icecache.runtime.loader import BulkLoader
 from icecache.runtime.store import HeadStore
@@ -73,14 +74,7 @@ def check_equivalence(device: str) -> list[dict]:
     for dtype in (torch.float32, torch.bfloat16):
         model = random_llama(TINY, device, dtype)
         for batch in (1, 2):
-            g = torch.Generator().manual_seed(1)
-            lengths = (100, 70)[:batch]
-            T = max(lengths)
-            ids = torch.zeros(batch, T, dtype=torch.long)
-            mask = torch.zeros(batch, T, dtype=torch.long)
-            for b, n in enumerate(lengths):
-                ids[b, T - n :] = torch.randint(3, 128, (n,), generator=g)
-                mask[b, T - n :] = 1
+            ids, mask = left_padded_random_ids((100, 70)[:batch], seed=1)
             ids, mask = ids.to(device), mask.to(device)
             ref_seq, ref_logits, _ = generate(model, ids, mask, None, 32)
             for index in icecache.available_pagers():

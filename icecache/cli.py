@@ -9,6 +9,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from icecache.eval.command import positive_int
+
 
 def _versions() -> dict[str, str]:
     import numpy
@@ -281,14 +283,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--full", action="store_true", help="plain full attention instead of IceCache")
     _add_ice_options(gen)
     gen.add_argument("--model", default=None, help="model name, .gguf file or model directory (default: the embedded model)")
-    gen.add_argument("--max-new-tokens", type=_positive_int, default=32, help="tokens to generate (default 32)")
+    gen.add_argument("--max-new-tokens", type=positive_int, default=32, help="tokens to generate (default 32)")
     gen.add_argument("--no-chat", action="store_true", help="do not wrap the prompt in the chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     gen.set_defaults(func=cmd_generate)
 
     demo = _parser(sub, "demo", help=f"passkey retrieval from a ~4k-token prompt with IceCache at budget {DEMO_BUDGET}")
     demo.add_argument("--model", default=None, help="model (default: the embedded model)")
-    demo.add_argument("--tokens", type=_positive_int, default=4096, help="prompt length in tokens (default 4096)")
+    demo.add_argument("--tokens", type=positive_int, default=4096, help="prompt length in tokens (default 4096)")
     demo.add_argument("--depth", type=float, default=0.5, help="relative depth of the key (default 0.5)")
     _add_ice_options(demo)
     demo.set_defaults(func=cmd_demo)
@@ -347,16 +349,6 @@ def cmd_sim(args: argparse.Namespace) -> int:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     return _calibrate(args.rest)
-
-
-def _positive_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {v}")
-    return v
 
 
 def main(argv: Sequence[str] | None = None) -> int:

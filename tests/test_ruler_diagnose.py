@@ -11,7 +11,7 @@ from icecache.eval.ruler.diagnose import Replay, _exhaustive_pages, answer_posit
 
 
 def test_classes_follow_the_reference_methods():
-    r = lambda s, p: Replay(search_recall=s, pages_recall=p, oracle_recall=1.0, steps=5)  # noqa: E731
+    r = lambda s, p: Replay(search_recall=s, pages_recall=p, oracle_recall=1.0, steps=5)
     assert classify(0.0, 1.0, r(0.0, 1.0)) == "model"  # full attention fails too
     assert classify(1.0, 0.5, r(0.0, 1.0)) == "budget"  # the exact top-B oracle fails too
     assert classify(1.0, 1.0, r(0.2, 0.9)) == "search miss"  # a perfect ranking of its own pages had it

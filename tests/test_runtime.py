@@ -22,15 +22,9 @@ PAGERS = icecache.available_pagers()
 
 def prompts(batch: int, lengths=(100, 70), seed: int = 1):
     """Token ids [batch, max_len] with left padding, and the attention mask."""
-    g = torch.Generator().manual_seed(seed)
-    lengths = lengths[:batch]
-    T = max(lengths)
-    ids = torch.zeros(batch, T, dtype=torch.long)
-    mask = torch.zeros(batch, T, dtype=torch.long)
-    for b, n in enumerate(lengths):
-        ids[b, T - n :] = torch.randint(3, 128, (n,), generator=g)
-        mask[b, T - n :] = 1
-    return ids, mask
+    from icecache.measure.capture import left_padded_random_ids
+
+    return left_padded_random_ids(lengths[:batch], seed=seed)
 
 
 def run(model, ids, mask, cfg=None, steps=32, cache=None):

@@ -12,12 +12,13 @@
 from __future__ import annotations
 
 import csv
+import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from icecache.core.errors import ConfigError
+from icecache.core.errors import ConfigError, InputError
 
 __all__ = ["parse_tokens", "write_csv", "md_table", "format_cell"]
 
@@ -74,3 +75,19 @@ def md_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(format_cell(v) for v in r) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def json_objects(lines: Iterable[str], what: str) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(line number, object)`` for every non-blank line of a JSON-lines file; a line that is not a JSON object
+    raises `InputError` naming ``what`` (e.g. ``"trace t.jsonl"``) and the line."""
+    for i, line in enumerate(lines):
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise InputError(f"{what}:{i + 1} is not JSON ({exc.msg})") from None
+        if not isinstance(obj, dict):
+            raise InputError(f"{what}:{i + 1} is not a JSON object")
+        yield i + 1, obj

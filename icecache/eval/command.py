@@ -33,7 +33,8 @@ TASK_FLAGS: dict[str, tuple[str, tuple[str, ...], Any]] = {
 DEFAULT_DECODE_TOKENS = 256
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (argparse's one-line error otherwise)."""
     try:
         value = int(text)
     except ValueError:
@@ -50,14 +51,14 @@ def add_eval_arguments(ev: argparse.ArgumentParser) -> None:
     ev.add_argument("--budgets", default="64,128,256", help="comma-separated budgets (default 64,128,256)")
     ev.add_argument("--lengths", default=None,
                     help="comma-separated lengths, e.g. 2k,4k,8k (default 2k,4k; k = 1000 tokens, ruler: 1024 and default 4k)")
-    ev.add_argument("--samples", type=_positive_int, default=5, help="samples per length (and variant or task)")
+    ev.add_argument("--samples", type=positive_int, default=5, help="samples per length (and variant or task)")
     ev.add_argument("--model", default=None, help="model (default: the embedded model)")
     ev.add_argument("--out", default=None, help="directory for the results (ruler: predictions.jsonl, results.*)")
     ev.add_argument("--json", action="store_true", help="print the summary as JSON")
     task = ev.add_argument_group("task-specific")
     task.add_argument("--variants", default=None, help="needle: variants (default single,multikey,multivalue)")
     task.add_argument("--depths", default=None, help="passkey: depths (default 0.1,0.3,0.5,0.7,0.9)")
-    task.add_argument("--decode-tokens", type=_positive_int, default=None,
+    task.add_argument("--decode-tokens", type=positive_int, default=None,
                       help=f"ppl: forced tokens; longgen: generated tokens (default {DEFAULT_DECODE_TOKENS})")
     task.add_argument("--tasks", default=None, help="ruler: comma-separated RULER tasks or 'all' (default all)")
     task.add_argument("--kvpress", default=None, metavar="PRESS,...",

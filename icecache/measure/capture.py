@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -254,3 +254,16 @@ def prompt_ids(tokenizer: Any, n: int) -> torch.Tensor:
     if ids.shape[1] < n:
         raise ConfigError(f"library text gives only {ids.shape[1]} tokens, {n} asked")
     return ids[:, :n]
+
+
+def left_padded_random_ids(lengths: Sequence[int], seed: int = 1, low: int = 3, high: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of random token ids ``[B, max(lengths)]``, row ``b`` holding ``lengths[b]`` tokens in
+    ``[low, high)`` after left padding (id 0), and its attention mask (the tiny models' exactness checks)."""
+    g = torch.Generator().manual_seed(seed)
+    T = max(lengths)
+    ids = torch.zeros(len(lengths), T, dtype=torch.long)
+    mask = torch.zeros(len(lengths), T, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        ids[b, T - n :] = torch.randint(low, high, (n,), generator=g)
+        mask[b, T - n :] = 1
+    return ids, mask

@@ -37,6 +37,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from icecache.core.errors import ConfigError, InputError
+from icecache.core.report import json_objects
 from icecache.sim.predictors import ExtrapolationError, ExtrapolationWarning, check_policy
 
 RECORD_FIELDS: tuple[str, ...] = ("step", "layer", "kv_head", "pages", "tokens", "new_pages", "bytes")
@@ -134,20 +135,11 @@ def read_trace(path: str | Path, meta: dict[str, Any] | None = None) -> Trace:
             lines = list(fh)
     except (OSError, EOFError, UnicodeDecodeError) as exc:
         raise InputError(f"cannot read the trace {p} ({exc})") from None
-    for i, line in enumerate(lines):
-        line = line.strip()
-        if not line:
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise InputError(f"trace {p.name}:{i + 1} is not JSON ({exc.msg})") from None
-        if not isinstance(obj, dict):
-            raise InputError(f"trace {p.name}:{i + 1} is not a JSON object")
-        if i == 0 and "meta" in obj and len(obj) == 1:
+    for line_no, obj in json_objects(lines, f"trace {p.name}"):
+        if line_no == 1 and "meta" in obj and len(obj) == 1:
             head = dict(obj["meta"])
             continue
-        records.append(check_record(obj, f"{p.name}:{i + 1} "))
+        records.append(check_record(obj, f"{p.name}:{line_no} "))
     head.update(meta or {})
     return Trace(meta=head, records=records)
 

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from icecache.core.errors import ConfigError, InputError
+from icecache.core.report import json_objects
 from icecache.sim.config import SimConfig
 from icecache.sim.hitrate import HitModel, HitStats, PriorHitModel, is_trace_path, load_hit_model, open_trace
 from icecache.sim.model import SimResult, simulate
@@ -114,15 +115,8 @@ def read_runs(path: str | Path) -> list[MeasuredRun]:
     if not p.is_file():
         raise ConfigError(f"no measured runs at {p} (experiments/sim/measure_runs.py writes them)")
     runs = []
-    for i, line in enumerate(p.read_text().splitlines()):
-        if line.strip():
-            try:
-                d = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise InputError(f"measured runs {p.name}:{i + 1} is not a JSON object ({exc.msg})") from None
-            if not isinstance(d, dict):
-                raise InputError(f"measured runs {p.name}:{i + 1} is not a JSON object")
-            runs.append(MeasuredRun.from_dict(d, f"{p.name}:{i + 1} "))
+    for line_no, d in json_objects(p.read_text().splitlines(), f"measured runs {p.name}"):
+        runs.append(MeasuredRun.from_dict(d, f"{p.name}:{line_no} "))
     if not runs:
         raise ConfigError(f"{p} holds no runs")
     return runs
