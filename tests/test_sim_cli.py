@@ -172,7 +172,7 @@ def test_validate_refuses_to_overwrite_a_report_without_force(tmp_path, capsys):
     (["paper", "--hit", "{tmp}/bad.jsonl"], "not JSON"),
     (["paper", "--profile", "{tmp}/bad.json"], "not JSON"),
     (["paper", "--profile", "{tmp}/missing.json"], "calibrate"),
-    (["validate", "--runs", "{tmp}/bad.jsonl"], "not a JSON object"),
+    (["validate", "--runs", "{tmp}/bad.jsonl"], "not JSON"),
     (["validate", "--runs", "{tmp}/missing.jsonl"], "no measured runs"),
     (["hardware", "--json", "{tmp}/no/such/folder/h.json"], "No such file"),
 ])
