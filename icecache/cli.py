@@ -353,21 +353,14 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``icecache``: our errors are one line on stderr (exit 2), Ctrl-C exits 130 quietly."""
-    from icecache.core.errors import IceCacheError
+    from icecache.core.errors import run_reporting_errors
 
     argv = list(sys.argv[1:] if argv is None else argv)
     forwarded = FORWARDED.get(tuple(argv[:2])) or FORWARDED.get(tuple(argv[:1]))
-    try:
-        if forwarded is not None:  # commands with parsers of their own get their arguments untouched
-            return int(forwarded(argv[2:] if tuple(argv[:2]) in FORWARDED else argv[1:]) or 0)
-        args = build_parser().parse_args(argv)
-        return int(args.func(args) or 0)
-    except IceCacheError as exc:
-        print(f"icecache: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("icecache: interrupted", file=sys.stderr)
-        return 130
+    if forwarded is not None:  # commands with parsers (and error reporting) of their own get their arguments untouched
+        return forwarded(argv[2:] if tuple(argv[:2]) in FORWARDED else argv[1:])
+    args = build_parser().parse_args(argv)
+    return run_reporting_errors(lambda: args.func(args))
 
 
 if __name__ == "__main__":

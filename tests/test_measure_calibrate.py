@@ -203,7 +203,7 @@ def test_calibrate_check_compares_the_recorded_stack_with_the_running_one(tmp_pa
 
 def test_calibrate_command_errors_are_one_line(tmp_path, capsys):
     assert main([]) == 2
-    assert capsys.readouterr().err.strip().splitlines() == ["error: calibrate needs --out PROFILE.json (the file to write), or --check"]
+    assert capsys.readouterr().err.strip().splitlines() == ["icecache calibrate: error: calibrate needs --out PROFILE.json (the file to write), or --check"]
     (tmp_path / "bad.json").write_text("{nope")
     assert main(["--check", str(tmp_path / "bad.json")]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -185,4 +185,4 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys, args, words):
         argv += ["--profile", str(prof)]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: ") and words in err[0], err
+    assert len(err) == 1 and err[0].startswith("icecache sim: error: ") and words in err[0], err

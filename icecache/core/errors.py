@@ -7,6 +7,9 @@ Every error a user can provoke with bad input is one of these (or a subclass of 
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
+
 
 class IceCacheError(Exception):
     """Base class of every documented icecache exception."""
@@ -34,3 +37,17 @@ class ModelLoadError(IceCacheError, RuntimeError):
 
 class CacheMisuseError(IceCacheError, RuntimeError):
     """An IceCache cache was used in a way it does not support (wrong attention implementation, ...)."""
+
+
+def run_reporting_errors(action: Callable[[], int | None], prog: str = "icecache") -> int:
+    """Run a command-line ``action`` and return its exit code. Our errors (`IceCacheError`) and files that cannot
+    be read or written (`OSError`) print one line, ``<prog>: error: <message>``, with no traceback, and return 2;
+    Ctrl-C prints ``<prog>: interrupted`` and returns 130. Every ``icecache`` entry point goes through here."""
+    try:
+        return int(action() or 0)
+    except (IceCacheError, OSError) as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130

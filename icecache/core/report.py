@@ -23,14 +23,15 @@ from icecache.core.errors import ConfigError, InputError
 __all__ = ["parse_tokens", "write_csv", "md_table", "format_cell"]
 
 
-def parse_tokens(text: str | int) -> int:
+def parse_tokens(text: str | int, k: int = 1000) -> int:
     """A token count as written on a command line: ``"36k"`` -> 36000, ``"1.5k"`` -> 1500, ``"1m"`` ->
     1000000, ``"8192"`` -> 8192 (an int passes through). Case and surrounding blanks are ignored; the result is
-    rounded to the nearest integer. Anything else raises `ConfigError`."""
+    rounded to the nearest integer. Anything else raises `ConfigError`. ``k=1024``: RULER's binary lengths
+    (``"4k"`` -> 4096, ``"1m"`` -> 1048576)."""
     if isinstance(text, int) and not isinstance(text, bool):
         return text
     t = str(text).strip().lower()
-    mult = {"k": 1_000, "m": 1_000_000}.get(t[-1:], 1)
+    mult = {"k": k, "m": k * k}.get(t[-1:], 1)
     try:
         value = float(t[:-1] if mult > 1 else t)
     except ValueError:

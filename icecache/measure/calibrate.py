@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from icecache.core.errors import ConfigError, IceCacheError
+from icecache.core.errors import ConfigError, run_reporting_errors
 from icecache.measure.capture import capture_qk, prompt_ids
 from icecache.measure.components import (
     measure_attention,
@@ -397,7 +397,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``icecache calibrate``: measure and write a profile, or ``--check`` one; a bad input prints ``error: ...``
     on one line and returns 2."""
     args = build_parser().parse_args(argv)
-    try:
+
+    def run() -> int:
         if args.check is not None:
             path = Path(args.check) if args.check else default_profile_path()
             problems = check_profile(path)
@@ -416,9 +417,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         prof = run_calibration(s, components=comps, base=base, out=args.out)
         print(summarize_profile(prof))
         return 0
-    except IceCacheError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+
+    return run_reporting_errors(run, prog="icecache calibrate")
 
 
 if __name__ == "__main__":

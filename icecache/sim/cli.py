@@ -23,7 +23,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from icecache.core.errors import IceCacheError
+from icecache.core.errors import run_reporting_errors
 
 __all__ = ["build_parser", "main"]
 
@@ -252,8 +252,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     line and returns 2."""
     args = build_parser().parse_args(argv)
     args.argv = list(argv) if argv is not None else sys.argv[1:]
-    try:
-        return int(args.fn(args) or 0)
-    except (IceCacheError, OSError) as exc:  # bad input, or a file that cannot be read or written
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    return run_reporting_errors(lambda: args.fn(args), prog="icecache sim")

@@ -26,14 +26,15 @@ MODEL_ALIASES = {"smollm2": "smollm2-135m-instruct"}
 
 def parse_ruler_length(text: str) -> int:
     """``"4k"`` -> 4096, ``"8192"`` -> 8192 (RULER's binary k); one-line `ConfigError` otherwise."""
-    t = text.strip().lower()
+    from icecache.core.report import parse_tokens
+
     try:
-        value = float(t[:-1]) * RULER_K if t.endswith("k") else float(t)
-    except ValueError:
+        value = parse_tokens(text, k=RULER_K)
+    except ConfigError:
         raise ConfigError(f"--lengths: expected a token count like 4k or 8192, got {text!r}") from None
-    if value < 1 or value != int(value):
-        raise ConfigError(f"--lengths: expected a whole positive token count, got {text!r}")
-    return int(value)
+    if value < 1:
+        raise ConfigError(f"--lengths: expected a positive token count, got {text!r}")
+    return value
 
 
 def _split(text: str) -> list[str]:

@@ -422,11 +422,20 @@ def write_results(out: str | Path, res: BenchResults, text: str, budgets: Sequen
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``icecache bench index [options]``: part A (quality and speed on one prompt) and part B (scaling)."""
+    """``icecache bench index [options]``: part A (quality and speed on one prompt) and part B (scaling). Bad
+    input is one line, no traceback (`run_reporting_errors`)."""
+    from icecache.core.errors import run_reporting_errors
+
+    args = parse_args(argv)
+    argv = list(argv) if argv is not None else sys.argv[1:]
+    return run_reporting_errors(lambda: run_bench(args, argv), prog="icecache bench index")
+
+
+def run_bench(args: Any, argv: list[str]) -> int:
+    """The benchmark of parsed ``args`` (``argv``: the command line, for the report; see `main`)."""
     from icecache.measure.capture import long_text
     from icecache.runtime.models import load_model
 
-    args = parse_args(argv)
     t_start = time.perf_counter()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -444,7 +453,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_quality(model, ids_all[:, : args.tokens], args, layers, budgets, variants, res)
     if not args.no_scaling:
         run_scaling(model, ids_all, args, sizes, mdci_params, res)
-    cmd = "icecache bench index " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    cmd = "icecache bench index " + " ".join(shlex.quote(a) for a in argv)
     text = report_text(res, model, cmd, time.perf_counter() - t_start, mdci_params, variants)
     print(text)
     if args.out:
