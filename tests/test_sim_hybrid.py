@@ -145,3 +145,17 @@ def test_gpu_prefill_of_a_sliding_layer_skips_the_masked_scores(profile):
     # the CPU runs transformers' SDPA with the window as a mask: no saving measured, none modelled
     here = _costs("this-machine", profile)
     assert here.prefill_layer_s(GEMMA, 2000, window=512) == here.prefill_layer_s(GEMMA, 2000)
+
+
+@pytest.mark.model
+def test_gemma_shape_matches_the_loaded_model():
+    """The fast variant of the GGUF parameter count (make test-slow): the simulator's Gemma-3-270M shape
+    against the model `icecache.load_model` builds (tied embeddings counted once), and its attention layout."""
+    import icecache
+
+    model, _ = icecache.load_model("gemma-3-270m")
+    text = model.config.get_text_config()
+    assert GEMMA.total_params() == sum(p.numel() for p in model.parameters())
+    assert (GEMMA.layers, GEMMA.kv_heads, GEMMA.head_dim) == (text.num_hidden_layers, text.num_key_value_heads, text.head_dim)
+    assert GEMMA.sliding_window == text.sliding_window
+    assert [i for i, t in enumerate(text.layer_types) if t == "full_attention"] == [5, 11, 17]
