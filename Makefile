@@ -33,6 +33,7 @@ test: setup
 
 # The tests `make test` leaves out (marked slow): the long soaks and model-scale checks (README: "Slow suite").
 test-slow: setup
+	$(PY) -m pip install --quiet -e '.[test,peers,ray]'  # the Ray test of `icecache eval ruler --ray`
 	$(PY) -m pytest -m slow -q
 
 test-all: setup

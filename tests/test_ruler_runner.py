@@ -120,3 +120,26 @@ def test_run_json_holds_the_settings(tmp_path):
     PredictionLog(tmp_path, _spec().signature())
     data = json.loads((tmp_path / "run.json").read_text())
     assert data["seed"] == 42 and data["config"]["page_size"] == 8 and "budget" not in data["config"]
+
+
+@pytest.mark.slow
+def test_ray_run_gives_the_local_runs_records(tmp_path, smollm2):
+    """`--ray` (local Ray, two actors of one thread each) against a local run on one thread: the same samples,
+    predictions and scores (README: Slow suite; needs the `ray` extra)."""
+    pytest.importorskip("ray")
+    from icecache.eval.ruler.distributed import run_on_ray
+
+    spec = RulerSpec(model="smollm2-135m-instruct", tasks=["niah_single_1", "vt"], lengths=[1024], samples=2,
+                     methods=["full", "icecache", "quest"], budgets=[64], config=IceCacheConfig(threads=1))
+    model, tok = smollm2
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        local = run_ruler(model, tok, spec, tmp_path / "local", progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    remote = run_on_ray(spec, tmp_path / "ray", progress=False, workers=2)
+    key = lambda r: (r["task"], r["index"], r["method"], r["budget"])
+    assert len(local) == len(remote) == 2 * 2 * 3
+    assert [(key(r), r["prediction"], r["score"]) for r in sorted(local, key=key)] == \
+           [(key(r), r["prediction"], r["score"]) for r in sorted(remote, key=key)]
