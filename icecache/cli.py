@@ -87,7 +87,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 #: IceCacheConfig fields the command line sets: field -> (flag, value parser, help). Defaults are never
 #: restated here: each option's default is None ("not given") and the config's own default applies.
 ICE_OPTIONS: dict[str, tuple[str, Any, str]] = {
-    "index": ("--index", str, "pager backend (icecache info lists them)"),
+    "index": ("--index", str, "pager backend (icecache info lists them), or auto: exact below this machine's crossover, mdci above"),
     "budget": ("--budget", int, "middle tokens attended per layer and KV head"),
     "index_params": ("--index-params", str, "parameters of the --index pager, e.g. field_of_view=120,page_score=mass"),
     "page_size": ("--page-size", int, "tokens per page"),
@@ -141,9 +141,9 @@ def _ice_config(args: argparse.Namespace, check_pager: bool = True, **overrides:
     values.update(overrides)
     config = IceCacheConfig(**values)
     if check_pager:
-        from icecache.indexes import make_pager
+        from icecache.indexes.auto import check_index
 
-        make_pager(config.index, head_dim=8, page_size=config.page_size, seed=config.seed, **config.index_params)
+        check_index(config.index, config.index_params, head_dim=8, page_size=config.page_size, seed=config.seed)
     return config
 
 
@@ -179,6 +179,9 @@ def _print_stats(stats: dict, file=sys.stderr) -> None:
         f"index build {stats['index_build_seconds']:.2f} s on worker threads (decode waited {stats['index_wait_seconds']:.2f} s)",
         file=file,
     )
+    if "auto_crossover_keys" in stats:
+        print(f"index='auto' chose {stats['index']} (crossover {stats['auto_crossover_keys']:,} keys per head on this machine)",
+              file=file)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

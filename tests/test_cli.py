@@ -129,6 +129,8 @@ def test_icecache_r_reuses_two_layers_unless_told_otherwise(prefill_and_model):
     (["generate", "hi", "--index-params", "bogus=1"], "no parameter 'bogus'"),
     (["generate", "hi", "--dense-layers", "a"], "--dense-layers"),
     (["generate", "hi", "--index", "nope"], "nope"),
+    (["generate", "hi", "--index", "auto", "--index-params", "nprobe=4"], "pager 'auto' has no parameter 'nprobe'"),
+    (["generate", "hi", "--index", "auto", "--index-params", "crossover=-5"], "crossover must be an int >= 0"),
 ])
 def test_refused_in_one_line(capsys, argv, message):
     assert main(argv) == 2

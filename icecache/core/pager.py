@@ -206,9 +206,14 @@ class SemanticPager(ABC):
         if self._n == 0 or budget == 0:
             z = np.zeros(0, np.int64)
             return z, np.zeros(1, np.int64), z.copy(), np.zeros(0, np.float32)
-        page_ids, scores = self._rank_pages(q, int(budget))
+        return self._select_arrays(q, int(budget))
+
+    def _select_arrays(self, queries: torch.Tensor, budget: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """`select_arrays` after validation, on a non-empty index and ``budget > 0``: `_rank_pages`, then the
+        budget rule. A backend may override it when it can apply the rule more cheaply (``exact``)."""
+        page_ids, scores = self._rank_pages(queries, budget)
         page_ids = np.asarray(page_ids, dtype=np.int64)
-        j, indptr, positions = self.table.take_within_budget(page_ids, int(budget))
+        j, indptr, positions = self.table.take_within_budget(page_ids, budget)
         return page_ids[:j].copy(), indptr, positions, np.asarray(scores, dtype=np.float32)[:j].copy()
 
     def pages(self) -> dict[int, torch.Tensor]:

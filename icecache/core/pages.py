@@ -192,14 +192,21 @@ class PageTable:
         return page_id
 
     def new_pages(self, groups: Sequence[Sequence[int] | np.ndarray]) -> np.ndarray:
-        """Open one page per group of positions (bulk load); returns the page ids in group order."""
-        groups = [np.asarray(g, dtype=np.int64).reshape(-1) for g in groups]
-        if not groups:
-            return np.zeros(0, dtype=np.int64)
-        lens = np.fromiter((len(g) for g in groups), dtype=np.int64, count=len(groups))
+        """Open one page per group of positions (bulk load); returns the page ids in group order. ``groups``
+        may be a 2-D array ``[pages, size]`` (every page the same size; no per-group Python work)."""
+        if isinstance(groups, np.ndarray) and groups.ndim == 2:
+            if groups.shape[0] == 0:
+                return np.zeros(0, dtype=np.int64)
+            lens = np.full(groups.shape[0], groups.shape[1], dtype=np.int64)
+            flat = groups.astype(np.int64).reshape(-1)
+        else:
+            groups = [np.asarray(g, dtype=np.int64).reshape(-1) for g in groups]
+            if not groups:
+                return np.zeros(0, dtype=np.int64)
+            lens = np.fromiter((len(g) for g in groups), dtype=np.int64, count=len(groups))
+            flat = np.concatenate(groups)
         if lens.min() < 1 or lens.max() > self.page_size:
             raise ValueError(f"every page holds 1 to {self.page_size} positions")
-        flat = np.concatenate(groups)
         if flat.min() < 0:
             raise ValueError("positions are non-negative")
         if len(np.unique(flat)) != len(flat):
@@ -207,7 +214,7 @@ class PageTable:
         self._grow_positions(int(flat.max()) + 1)
         if (self.page_of_[flat] >= 0).any():
             raise ValueError("some positions are already paged")
-        ids = np.array([self._take_id() for _ in groups], dtype=np.int64)
+        ids = self._take_ids(len(lens))
         page_rep = np.repeat(ids, lens)
         starts = np.repeat(np.cumsum(lens) - lens, lens)
         slots = np.arange(len(flat)) - starts
@@ -334,21 +341,24 @@ class PageTable:
         return int(self.sizes_[page_id])
 
     def _take_id(self) -> int:
-        if self._free:
-            page_id = self._free.pop()
-        else:
-            page_id = self._num_ids
-            self._num_ids += 1
-            if page_id >= len(self.sizes_):
-                cap = max(2 * len(self.sizes_), 64)
-                members = np.full((cap, self.page_size), -1, dtype=np.int64)
-                members[: len(self.members)] = self.members
-                sizes = np.full(cap, -1, dtype=np.int64)
-                sizes[: len(self.sizes_)] = self.sizes_
-                self.members, self.sizes_ = members, sizes
-        self.sizes_[page_id] = 0
-        self.members[page_id] = -1
-        return page_id
+        return int(self._take_ids(1)[0])
+
+    def _take_ids(self, count: int) -> np.ndarray:
+        """``count`` fresh empty pages: recycled ids first (in free-list pop order), then new ids in order."""
+        reused = [self._free.pop() for _ in range(min(count, len(self._free)))]
+        start = self._num_ids
+        self._num_ids += count - len(reused)
+        if self._num_ids > len(self.sizes_):
+            cap = max(2 * len(self.sizes_), 64, self._num_ids)
+            members = np.full((cap, self.page_size), -1, dtype=np.int64)
+            members[: len(self.members)] = self.members
+            sizes = np.full(cap, -1, dtype=np.int64)
+            sizes[: len(self.sizes_)] = self.sizes_
+            self.members, self.sizes_ = members, sizes
+        ids = np.concatenate([np.asarray(reused, dtype=np.int64), np.arange(start, self._num_ids, dtype=np.int64)])
+        self.sizes_[ids] = 0
+        self.members[ids] = -1
+        return ids
 
     def _close_hole(self, page_id: int, slot: int) -> None:
         n = int(self.sizes_[page_id]) - 1

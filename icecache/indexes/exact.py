@@ -42,15 +42,25 @@ class ExactPager(SemanticPager):
         else:
             self.table.new_pages(np.arange(start, n).reshape(-1, 1))
 
-    def _rank_pages(self, queries: torch.Tensor, budget: int) -> tuple[np.ndarray, np.ndarray]:
-        scores = (queries @ self._keys.T).amax(dim=0)  # [n]
+    def _top_tokens(self, queries: torch.Tensor, budget: int) -> tuple[np.ndarray, np.ndarray]:
+        """The ``min(budget, n)`` best positions for ``queries`` ``[g, d]`` by ``max_g q.k``, best first (ties by
+        position), with their scores: one q.K product, an unsorted top-k, and a sort of the k winners only."""
+        scores = queries @ self._keys.T  # [g, n]
+        scores = scores[0] if scores.shape[0] == 1 else scores.amax(dim=0)  # [n]
         k = min(budget, scores.numel())
-        top = torch.topk(scores, k, sorted=True)
-        # Order ties by position so the result does not depend on topk's internal order.
+        top = torch.topk(scores, k, sorted=False)
         vals, pos = top.values.numpy(), top.indices.numpy()
-        order = np.lexsort((pos, -vals))
-        pos = pos[order]
-        return np.asarray(self.table.page_of(pos)), vals[order]
+        order = np.lexsort((pos, -vals))  # best first; ties by position, whatever topk's internal order
+        return pos[order], vals[order]
+
+    def _rank_pages(self, queries: torch.Tensor, budget: int) -> tuple[np.ndarray, np.ndarray]:
+        pos, vals = self._top_tokens(queries, budget)
+        return self.table.page_of_[pos], vals
+
+    def _select_arrays(self, queries: torch.Tensor, budget: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        # Every page holds one token, so the budget rule takes all min(budget, n) ranked tokens: no CSR pass.
+        pos, vals = self._top_tokens(queries, budget)
+        return self.table.page_of_[pos], np.arange(pos.size + 1, dtype=np.int64), pos, vals
 
     def index_bytes(self) -> int:
         return self._keys.numel() * self._keys.element_size()

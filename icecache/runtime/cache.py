@@ -22,6 +22,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindo
 
 from icecache.core.config import IceCacheConfig
 from icecache.core.errors import CacheMisuseError, ConfigError
+from icecache.indexes.auto import AUTO, check_index, choose_index
 from icecache.indexes.registry import make_pager
 from icecache.runtime import link
 from icecache.runtime.dense_layer import GrowingLayer
@@ -89,8 +90,18 @@ class IceCache(Cache):
         H = text_cfg.num_key_value_heads or text_cfg.num_attention_heads
         D = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads
         types = list(getattr(text_cfg, "layer_types", None) or ["full_attention"] * n_layers)
+        self.group = text_cfg.num_attention_heads // H  # query heads per KV head
+        self.kv_head_dim = D
+        #: the pager the sparse layers use: ``config.index``, or what ``"auto"`` chose at the first prefill
+        self.index: str | None = None if self.ice.index == AUTO else self.ice.index
+        #: ``index="auto"``: keys per head from which M-DCI is chosen (None until chosen / without auto)
+        self.auto_crossover: int | None = None
         if pager_factory is None:  # an unknown pager or pager parameter fails here, before any prefill
-            make_pager(self.ice.index, head_dim=D, page_size=self.ice.page_size, seed=self.ice.seed, **self.ice.index_params)
+            check_index(self.ice.index, self.ice.index_params, head_dim=D, page_size=self.ice.page_size, seed=self.ice.seed)
+            if self.ice.index == AUTO:
+                self.auto_crossover = self.ice.index_params.get("crossover")
+        elif self.ice.index == AUTO:
+            raise ConfigError("index='auto' chooses the pagers itself: it takes no pager_factory")
         self.pager_factory = pager_factory or self._default_pager
         #: insert the token that will leave the window next step on a worker during this step (exact semantics)
         self.prefetch_inserts = True
@@ -132,9 +143,23 @@ class IceCache(Cache):
         """With ``IceCacheConfig(trace=True)``: one record per (decode step, layer, row, KV head)."""
         return self.accounting.trace
 
+    def choose_index(self, context_tokens: int) -> str:
+        """The pager of every sparse layer, fixed at the first prefill: ``config.index``, or with ``"auto"`` the
+        exact scorer when a head will hold fewer offloaded keys than this machine's crossover
+        (`icecache.runtime.auto_index`), else M-DCI. ``context_tokens``: the prompt, or ``max_cache_len``."""
+        if self.index is None:
+            cfg = self.ice
+            if self.auto_crossover is None:
+                from icecache.runtime.auto_index import machine_crossover
+
+                self.auto_crossover = machine_crossover(self.kv_head_dim, self.group, cfg.budget, cfg.page_size)
+            self.index = choose_index(max(0, context_tokens - cfg.sink - cfg.window), self.auto_crossover)
+        return self.index
+
     def _default_pager(self, layer_idx: int, row: int, kv_head: int, head_dim: int) -> Any:
         cfg = self.ice
-        return make_pager(cfg.index, head_dim=head_dim, page_size=cfg.page_size, seed=cfg.seed, record_moves=True, **cfg.index_params)
+        params = {} if cfg.index == AUTO else cfg.index_params
+        return make_pager(self.index, head_dim=head_dim, page_size=cfg.page_size, seed=cfg.seed, record_moves=True, **params)
 
     @classmethod
     def from_dense(cls, dense: Any, config: IceCacheConfig | None = None, *, model_config: Any,
@@ -323,7 +348,10 @@ class IceCache(Cache):
             "index_build_seconds": self.workers.job_seconds,
             "index_wait_seconds": self.workers.wait_seconds,
             "layers": {k: self.kind.count(k) for k in ("sparse", "dense", "sliding")},
+            "index": self.index,
         }
+        if self.ice.index == AUTO:
+            out["auto_crossover_keys"] = self.auto_crossover
         if self._t_first_update is not None and self._t_prefill_done is not None:
             out["prefill_seconds"] = self._t_prefill_done - self._t_first_update
         return out

@@ -53,6 +53,7 @@ class IceCacheLayer(TokenPlacement, CacheLayerMixin):
             )
         cache = self.cache
         self.dtype, self.device = key_states.dtype, key_states.device
+        cache.choose_index(max(T, cache.length_hint or 0))
         pagers = [[cache.pager_factory(self.layer_idx, b, h, D) for h in range(H)] for b in range(B)]
         self.allocate(B, self.dtype, self.device, pagers, max_length=max(T, cache.length_hint or 0))
         self.is_initialized = True

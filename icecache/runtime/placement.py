@@ -183,8 +183,13 @@ class TokenPlacement:
     def build_host(self, b: int, h: int, k_mid: torch.Tensor, v_mid: torch.Tensor) -> None:
         """Build the pager of (row ``b``, KV head ``h``) on its middle keys and fill its host store."""
         pager = self.pagers[b][h]
-        pager.build(k_mid)
-        self.stores[b][h].sync(pager.table.take_moves(), k_mid, v_mid, first_new=0)
+        table, journaled = pager.table, pager.table.record_moves
+        table.record_moves = False  # a fresh build's journal would only say "every position is new"
+        try:
+            pager.build(k_mid)
+        finally:
+            table.record_moves = journaled
+        self.stores[b][h].load_layout(k_mid, v_mid)
 
     # ------------------------------------------------------------------ decode
     def append_token(self, k: torch.Tensor, v: torch.Tensor) -> None:

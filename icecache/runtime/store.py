@@ -80,6 +80,30 @@ class HeadStore:
         dst = torch.from_numpy(self.block_of[dst_page[live]] * P + dst_slot[live])
         flat[dst] = data[torch.from_numpy(np.flatnonzero(live))]
 
+    def load_layout(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Fill an empty store from the table's current layout in one pass: positions ``0..n-1`` take
+        ``keys[i]`` / ``values[i]`` (``[n, head_dim]``), one block per live page. The result is what replaying
+        a fresh build's journal gives (`sync`), without the journal: the prefill path builds with
+        ``record_moves`` off and calls this."""
+        if self._num_blocks:
+            raise ValueError("load_layout needs an empty store")
+        n = keys.shape[0]
+        if self.table.num_positions != n:
+            raise ValueError(f"the table holds {self.table.num_positions} positions, got K/V for {n}")
+        pages = self.table.page_ids()
+        self._grow_block_map(self.table.id_capacity)
+        self.block_of[pages] = np.arange(len(pages))
+        self._num_blocks = len(pages)
+        self.pool = self._alloc(len(pages))
+        if n == 0:
+            return
+        positions = np.arange(n)
+        rows = self.block_of[self.table.page_of_[positions]] * self.page_size + self.table.slot_of_[positions]
+        flat = self.flat_view()
+        rows_t = torch.from_numpy(rows)
+        flat[rows_t, 0] = keys.to(self.dtype)
+        flat[rows_t, 1] = values.to(self.dtype)
+
     def _place_new(self, moves: list[Move], new_k: torch.Tensor | None, new_v: torch.Tensor | None, first_new: int) -> None:
         assert new_k is not None and new_v is not None, "new positions need their K/V"
         self._grow_block_map(self.table.id_capacity)

@@ -188,6 +188,9 @@ def run_sample(
                 t1 = time.perf_counter()
             cfg = spec.config.replace(budget=budget if budget is not None else spec.config.budget)
             cache = get_method(method).cache(model, prefill, cfg)
+            if isinstance(cache, IceCache):
+                cache.workers.wait_all()  # the index builds, timed apart from the decode
+            extra["build_seconds"] = time.perf_counter() - t1
             try:
                 tokens = decode_greedy(model, cache, prefill.last_logits, sample.tokens_to_generate, stop_ids,
                                        stop_when=settled)

@@ -1,0 +1,66 @@
+"""Wall time per RULER sample for all methods from one shared prefill vs one method alone (issue 23 target:
+<= 1.6x at 8k), from a run's ``predictions.jsonl``.
+
+Every record carries the sample's one dense prefill (``prefill_seconds``), the sample's generation
+(``sample_seconds``) and the method's own time (``seconds``: building its cache from the shared prefill, then
+decoding; ``build_seconds`` of it is the cache build, where recorded). Per sample: all methods = generation +
+prefill + the sum of every method's seconds; one method = generation + prefill + that method's seconds (what a
+run of that method alone pays). Where builds are recorded, the table splits the methods' time into their cache
+builds and their decodes (which no sharing can save).
+
+    python experiments/ruler/shared_prefill.py experiments/ruler/shared_prefill_8k --one icecache
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("run", help="a RULER run directory (holds predictions.jsonl)")
+    ap.add_argument("--one", default="icecache", help="the method run alone in the comparison")
+    args = ap.parse_args()
+    run = Path(args.run)
+    samples: dict[tuple, list[dict]] = defaultdict(list)
+    for line in (run / "predictions.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        samples[(r["task"], r["length"], r["index"])].append(r)
+    methods = sorted({r["method"] for rs in samples.values() for r in rs})
+    rows = []
+    for key, rs in sorted(samples.items()):
+        if {r["method"] for r in rs} != set(methods):
+            continue  # an unfinished sample
+        base = rs[0]["prefill_seconds"] + rs[0]["sample_seconds"]
+        one = base + next(r["seconds"] for r in rs if r["method"] == args.one)
+        every = base + sum(r["seconds"] for r in rs)
+        builds = sum(r["build_seconds"] for r in rs) if all("build_seconds" in r for r in rs) else None
+        decodes = None if builds is None else sum(r["seconds"] for r in rs) - builds
+        rows.append((key, rs[0]["prompt_tokens"], rs[0]["prefill_seconds"], builds, decodes, one, every, every / one))
+    if not rows:
+        print("no finished sample", file=sys.stderr)
+        return 1
+    lines = [f"Shared prefill, `{run.name}`: {len(methods)} methods ({', '.join(methods)}) vs `{args.one}` alone",
+             "", "| task | sample | prompt tokens | prefill (s) | all builds (s) | all decodes (s) | one method (s) | "
+             "all methods (s) | ratio |", "|---|---|---|---|---|---|---|---|---|"]
+    fmt = lambda x: "-" if x is None else f"{x:.1f}"
+    for (task, _length, index), tokens, pre, builds, decodes, one, every, ratio in rows:
+        lines.append(f"| {task} | {index} | {tokens} | {pre:.1f} | {fmt(builds)} | {fmt(decodes)} | {one:.1f} | "
+                     f"{every:.1f} | {ratio:.2f}x |")
+    ratios = [r[-1] for r in rows]
+    total = sum(r[6] for r in rows) / sum(r[5] for r in rows)
+    lines += ["", f"Median ratio {statistics.median(ratios):.2f}x (range {min(ratios):.2f}-{max(ratios):.2f}) over "
+              f"{len(rows)} samples; total wall {total:.2f}x."]
+    text = "\n".join(lines) + "\n"
+    (run / "shared_prefill.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

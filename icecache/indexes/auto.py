@@ -1,0 +1,131 @@
+"""``index="auto"``: the exact scorer below a crossover number of offloaded keys, M-DCI at or above it.
+
+Below some size, scoring every key (``exact``: one q.K product and a top-k) is both faster and more accurate
+than searching an index; above it M-DCI's select, which touches a fraction of the keys, wins. Where the two
+meet depends on the machine (memory bandwidth, BLAS, cores), so the crossover is measured, not assumed:
+`measure_crossover` times both pagers' ``select_arrays`` on Gaussian keys at a grid of sizes for the model's
+head width, GQA group and budget, and `crossover_from_times` finds where M-DCI becomes the faster one.
+
+The runtime (`icecache.runtime.cache.IceCache`) decides once per cache, from the middle tokens per head the
+generation is expected to hold (prompt, or ``max_cache_len`` when given, minus sink and window), and reports
+the choice in ``stats()["index"]``. A cache that starts below the crossover keeps the exact scorer while it
+grows past it (still exact; slower than M-DCI there).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from icecache.core.errors import ConfigError
+
+AUTO = "auto"
+#: the pagers ``auto`` chooses between: (below the crossover, at or above it)
+CHOICES = ("exact", "mdci")
+#: key counts per head at which `measure_crossover` times both selects
+DEFAULT_GRID = (2048, 4096, 8192, 16384, 32768, 65536)
+#: the largest crossover reported (when M-DCI is never faster, extrapolated no further)
+MAX_CROSSOVER = 1 << 20
+
+
+def check_auto_params(params: dict[str, Any]) -> int | None:
+    """The parameters ``index="auto"`` takes: only ``crossover`` (keys per head, an int >= 0) to fix the
+    crossover instead of measuring it. Returns it, or None to use the measured one."""
+    unknown = sorted(set(params) - {"crossover"})
+    if unknown:
+        raise ConfigError(f"pager 'auto' has no parameter {', '.join(map(repr, unknown))}; its parameters: crossover")
+    value = params.get("crossover")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"index 'auto': crossover must be an int >= 0 (keys per head), got {value!r}")
+    return value
+
+
+def check_index(index: str, params: dict[str, Any], *, head_dim: int, page_size: int, seed: int) -> None:
+    """Raise `ConfigError` unless ``index`` is ``"auto"`` with its parameters, or a registered pager that takes
+    ``params`` (it is made once on a tiny shape to check)."""
+    if index == AUTO:
+        check_auto_params(params)
+        return
+    from icecache.indexes.registry import make_pager
+
+    make_pager(index, head_dim=head_dim, page_size=page_size, seed=seed, **params)
+
+
+def choose_index(middle_keys: int, crossover: int) -> str:
+    """``"exact"`` when a head will hold fewer than ``crossover`` offloaded keys, else ``"mdci"``."""
+    return CHOICES[0] if middle_keys < crossover else CHOICES[1]
+
+
+def crossover_from_times(grid: Sequence[int], exact_s: Sequence[float], mdci_s: Sequence[float]) -> int:
+    """Keys per head where M-DCI's select becomes faster than the exact scorer's.
+
+    ``grid`` ``[m]`` ascending key counts, ``exact_s`` / ``mdci_s`` ``[m]`` select seconds there. The log of the
+    time ratio mdci/exact is interpolated linearly in log(keys) between the first pair of grid points where it
+    changes sign; beyond the grid it is extrapolated from the two outermost points (and capped to
+    [0, `MAX_CROSSOVER`]). Pure function.
+    """
+    if not (len(grid) == len(exact_s) == len(mdci_s)) or len(grid) < 2:
+        raise ValueError("need at least two grid points with one exact and one mdci time each")
+    x = np.log(np.asarray(grid, dtype=np.float64))
+    r = np.log(np.asarray(mdci_s, dtype=np.float64) / np.asarray(exact_s, dtype=np.float64))  # > 0: exact faster
+
+    def root(i: int, j: int) -> float:
+        if r[i] == r[j]:
+            return math.inf if r[i] > 0 else 0.0
+        t = x[i] + (0.0 - r[i]) * (x[j] - x[i]) / (r[j] - r[i])
+        return math.exp(t)
+
+    if r[0] <= 0:  # M-DCI already faster at the smallest size
+        n = root(0, 1) if r[1] < r[0] else 0.0
+        return int(min(max(n, 0.0), grid[0]))
+    for i in range(len(grid) - 1):
+        if r[i + 1] <= 0:
+            return int(round(root(i, i + 1)))
+    n = root(len(grid) - 2, len(grid) - 1) if r[-1] < r[-2] else math.inf
+    return int(min(max(n, grid[-1]), MAX_CROSSOVER))
+
+
+def measure_crossover(head_dim: int, group: int, budget: int, page_size: int, *, grid: Sequence[int] = DEFAULT_GRID,
+                      calls: int = 30, seed: int = 0,
+                      progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Time ``exact`` and ``mdci`` selects (median of ``calls``, one thread) on Gaussian keys ``[n, head_dim]``
+    for each ``n`` of ``grid`` with ``group`` queries and ``budget`` tokens; returns ``{"crossover_keys", "grid",
+    "exact_s", "mdci_s", "calls", "seconds"}``."""
+    from icecache.indexes.registry import make_pager
+
+    rng = np.random.default_rng(seed)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the runtime selects on one thread
+    t_start = time.perf_counter()
+    times: dict[str, list[float]] = {name: [] for name in CHOICES}
+    try:
+        for n in grid:
+            if progress is not None:
+                progress(f"{n:,} keys")
+            keys = torch.from_numpy(rng.standard_normal((n, head_dim), dtype=np.float32))
+            queries = [torch.from_numpy(rng.standard_normal((group, head_dim), dtype=np.float32)) for _ in range(calls)]
+            for name in CHOICES:
+                pager = make_pager(name, head_dim=head_dim, page_size=page_size, seed=seed)
+                pager.build(keys)
+                pager.select_arrays(queries[0], budget, check=False)  # warm-up
+                per_call = []
+                for q in queries:
+                    t0 = time.perf_counter()
+                    pager.select_arrays(q, budget, check=False)
+                    per_call.append(time.perf_counter() - t0)
+                times[name].append(statistics.median(per_call))
+    finally:
+        torch.set_num_threads(threads)
+    return {
+        "crossover_keys": crossover_from_times(grid, times["exact"], times["mdci"]),
+        "grid": list(grid), "exact_s": times["exact"], "mdci_s": times["mdci"], "calls": calls,
+        "seconds": round(time.perf_counter() - t_start, 2),
+    }

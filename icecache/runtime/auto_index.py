@@ -1,0 +1,64 @@
+"""This machine's crossover for ``index="auto"``, measured once per shape and kept in the cache directory.
+
+The measurement itself is `icecache.indexes.auto.measure_crossover`; this module stores its result in
+``$ICECACHE_CACHE/auto_index.json`` (default ``~/.cache/icecache``), one entry per (head width, GQA group,
+budget, page size, torch version), and measures on first use with a one-line note on stderr (about 10-30 s).
+Delete the file to measure again, or fix the number with ``index_params={"crossover": N}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from icecache.indexes.auto import measure_crossover
+
+FILENAME = "auto_index.json"
+
+
+def crossover_path() -> Path:
+    from icecache.runtime.models import cache_root
+
+    return cache_root() / FILENAME
+
+
+def shape_key(head_dim: int, group: int, budget: int, page_size: int) -> str:
+    return f"head_dim={head_dim},group={group},budget={budget},page_size={page_size},torch={torch.__version__}"
+
+
+def read_entries(path: Path) -> dict[str, Any]:
+    """The stored measurements (an unreadable file counts as none: it is measured again and rewritten)."""
+    try:
+        entries = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return entries if isinstance(entries, dict) else {}
+
+
+def machine_crossover(head_dim: int, group: int, budget: int, page_size: int) -> int:
+    """Keys per head above which M-DCI selects faster than the exact scorer on this machine, for this shape:
+    read from the stored measurements, else measured now and stored (atomically)."""
+    path = crossover_path()
+    key = shape_key(head_dim, group, budget, page_size)
+    entry = read_entries(path).get(key)
+    if isinstance(entry, dict) and isinstance(entry.get("crossover_keys"), int):
+        return entry["crossover_keys"]
+    print(f"icecache: index='auto' measures exact vs mdci select on this machine once ({key}); "
+          f"stored in {path}", file=sys.stderr, flush=True)
+    entry = measure_crossover(head_dim, group, budget, page_size)
+    entries = read_entries(path)
+    entries[key] = entry
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=FILENAME, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(entries, f, indent=1)
+    os.replace(tmp, path)
+    print(f"icecache: index='auto' crossover {entry['crossover_keys']:,} keys per head "
+          f"(measured in {entry['seconds']} s)", file=sys.stderr, flush=True)
+    return entry["crossover_keys"]

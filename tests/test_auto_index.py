@@ -1,0 +1,124 @@
+"""``index="auto"``: the crossover found from measured times, the choice per cache, its report, the stored
+per-machine measurement, and outputs identical to the pager it chose."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import make_tiny_llama
+from hypothesis import given
+from hypothesis import strategies as st
+
+from icecache import IceCache, IceCacheConfig
+from icecache.core.errors import ConfigError
+from icecache.indexes.auto import MAX_CROSSOVER, check_auto_params, choose_index, crossover_from_times, measure_crossover
+from icecache.runtime.attention import use_attention
+
+GRID = (2048, 4096, 8192, 16384, 32768, 65536)
+
+
+@given(slope_ns=st.floats(1.0, 100.0), mdci_us=st.floats(1.0, 5000.0))
+def test_crossover_of_a_linear_scorer_and_a_flat_index_is_where_they_meet(slope_ns, mdci_us):
+    """exact costs ``a * n``, mdci a constant ``c``: they meet at ``n = c / a``, inside the grid, before it or
+    beyond it (log ratio linear in log n, so interpolation and extrapolation are both exact)."""
+    exact = [slope_ns * 1e-9 * n for n in GRID]
+    mdci = [mdci_us * 1e-6] * len(GRID)
+    truth = mdci_us * 1e-6 / (slope_ns * 1e-9)
+    got = crossover_from_times(GRID, exact, mdci)
+    assert got == pytest.approx(min(truth, MAX_CROSSOVER), rel=1e-6, abs=1)
+    # the choice follows: exact below, mdci from the crossover on
+    assert choose_index(max(got - 1, 0), got) == ("exact" if got > 0 else "mdci") and choose_index(got, got) == "mdci"
+
+
+def test_crossover_when_mdci_never_catches_up_is_capped():
+    # both linear, mdci always twice as slow: no crossing, the exact scorer wins everywhere
+    assert crossover_from_times(GRID, [1e-9 * n for n in GRID], [2e-9 * n for n in GRID]) == MAX_CROSSOVER
+    # mdci always faster and no slower at the smallest size: it is chosen from the first key
+    assert crossover_from_times(GRID, [2e-9 * n for n in GRID], [1e-9 * n for n in GRID]) == 0
+    with pytest.raises(ValueError):
+        crossover_from_times(GRID[:1], [1.0], [1.0])
+
+
+def test_auto_params_are_checked():
+    assert check_auto_params({}) is None and check_auto_params({"crossover": 0}) == 0
+    for bad in ({"crossover": -1}, {"crossover": True}, {"crossover": 1.5}):
+        with pytest.raises(ConfigError, match="crossover must be an int"):
+            check_auto_params(bad)
+    with pytest.raises(ConfigError, match="no parameter 'nprobe'"):
+        check_auto_params({"nprobe": 4})
+    model = make_tiny_llama()
+    with pytest.raises(ConfigError, match="no parameter 'nprobe'"):
+        IceCache(model.config, IceCacheConfig(index="auto", index_params={"nprobe": 4}))
+    with pytest.raises(ConfigError, match="takes no pager_factory"):
+        IceCache(model.config, IceCacheConfig(index="auto"), pager_factory=lambda *a: None)
+
+
+def test_a_real_measurement_is_consistent():
+    r = measure_crossover(16, 4, 32, 8, grid=(256, 2048), calls=3)
+    assert len(r["exact_s"]) == len(r["mdci_s"]) == 2 and min(r["exact_s"] + r["mdci_s"]) > 0
+    assert r["crossover_keys"] == crossover_from_times(r["grid"], r["exact_s"], r["mdci_s"])
+
+
+def _decode(model, cfg: IceCacheConfig, ids: torch.Tensor, steps: int) -> tuple[list[int], IceCache]:
+    cache = IceCache(model.config, cfg)
+    out = []
+    with use_attention(model), torch.no_grad():
+        logits = model(ids, past_key_values=cache, use_cache=True).logits
+        for _ in range(steps):
+            tok = logits[0, -1].argmax().view(1, 1)
+            out.append(int(tok))
+            logits = model(tok, past_key_values=cache, use_cache=True).logits
+    cache.close()
+    return out, cache
+
+
+@pytest.mark.parametrize("crossover, chosen", [(10_000, "exact"), (0, "mdci")])
+def test_auto_runs_exactly_the_pager_it_chose(crossover, chosen):
+    model = make_tiny_llama(seed=3)
+    ids = torch.randint(3, 128, (1, 400), generator=torch.Generator().manual_seed(1))
+    base = dict(budget=32, page_size=8, sink=4, window=16, dense_layers=(0,))
+    got, cache = _decode(model, IceCacheConfig(index="auto", index_params={"crossover": crossover}, **base), ids, 12)
+    want, ref = _decode(model, IceCacheConfig(index=chosen, **base), ids, 12)
+    stats = cache.stats()
+    assert stats["index"] == chosen and stats["auto_crossover_keys"] == crossover and ref.stats()["index"] == chosen
+    assert got == want
+
+
+def test_the_machine_crossover_is_measured_once_and_stored(tmp_path, monkeypatch):
+    import icecache.runtime.auto_index as auto_index
+
+    monkeypatch.setenv("ICECACHE_CACHE", str(tmp_path))
+    calls = []
+
+    def fake_measure(head_dim, group, budget, page_size):
+        calls.append((head_dim, group, budget, page_size))
+        return {"crossover_keys": 300, "grid": [1, 2], "exact_s": [1.0, 2.0], "mdci_s": [2.0, 1.0], "calls": 1, "seconds": 0.0}
+
+    monkeypatch.setattr(auto_index, "measure_crossover", fake_measure)
+    model = make_tiny_llama(seed=3)
+    cfg = IceCacheConfig(index="auto", budget=32, page_size=8, sink=4, window=16, dense_layers=(0,))
+    short = torch.randint(3, 128, (1, 200), generator=torch.Generator().manual_seed(1))  # 180 middle keys < 300
+    long = torch.randint(3, 128, (1, 400), generator=torch.Generator().manual_seed(1))  # 380 >= 300
+    assert _decode(model, cfg, short, 2)[1].stats()["index"] == "exact"
+    assert _decode(model, cfg, long, 2)[1].stats()["index"] == "mdci"
+    assert calls == [(16, 4, 32, 8)]  # measured once for this shape, then read back
+    stored = json.loads((tmp_path / "auto_index.json").read_text())
+    assert [e["crossover_keys"] for e in stored.values()] == [300]
+    # an unreadable file is measured again and rewritten whole
+    (tmp_path / "auto_index.json").write_text("{not json")
+    _decode(model, cfg, short, 1)
+    assert len(calls) == 2 and json.loads((tmp_path / "auto_index.json").read_text())
+
+
+def test_max_cache_len_decides_when_given():
+    model = make_tiny_llama(seed=3)
+    cfg = IceCacheConfig(index="auto", index_params={"crossover": 300}, budget=32, page_size=8, sink=4, window=16,
+                         dense_layers=(0,))
+    cache = IceCache(model.config, cfg, max_cache_len=1000)
+    ids = torch.randint(3, 128, (1, 200), generator=torch.Generator().manual_seed(1))
+    with use_attention(model), torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)
+    assert cache.stats()["index"] == "mdci"  # 1000 - 20 expected keys, although the prompt has 180
+    cache.close()

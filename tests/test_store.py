@@ -1,0 +1,56 @@
+"""`HeadStore`: the host K/V blocks a pager's page table addresses. The prefill path's one-pass `load_layout`
+must hold exactly what replaying a fresh build's journal (`sync`) holds, for every pager."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from icecache.indexes import available_pagers, make_pager
+from icecache.runtime.store import HeadStore
+
+PAGERS = available_pagers()
+
+
+@settings(max_examples=15)
+@given(n=st.integers(0, 300), page_size=st.integers(1, 16), seed=st.integers(0, 3))
+@pytest.mark.parametrize("name", PAGERS)
+def test_load_layout_equals_replaying_the_build_journal(name, n, page_size, seed):
+    rng = np.random.default_rng(seed)
+    keys = torch.from_numpy(rng.standard_normal((n, 8), dtype=np.float32))
+    values = torch.from_numpy(rng.standard_normal((n, 8), dtype=np.float32))
+    journaled = make_pager(name, head_dim=8, page_size=page_size, seed=seed, record_moves=True)
+    journaled.build(keys)
+    replayed = HeadStore(journaled.table, 8, torch.float32)
+    replayed.sync(journaled.table.take_moves(), keys, values, first_new=0)
+    quiet = make_pager(name, head_dim=8, page_size=page_size, seed=seed, record_moves=False)
+    quiet.build(keys)
+    loaded = HeadStore(quiet.table, 8, torch.float32)
+    loaded.load_layout(keys, values)
+    positions = np.arange(n)
+    for store in (replayed, loaded):
+        k, v = store.read(positions)
+        assert torch.equal(k, keys) and torch.equal(v, values)
+    assert loaded.used_bytes() == replayed.used_bytes()
+    # both keep working the same way after decode-time inserts
+    extra = torch.from_numpy(rng.standard_normal((3, 8), dtype=np.float32))
+    for pager, store in ((journaled, replayed), (quiet, loaded)):
+        pager.table.record_moves = True
+        pager.insert(extra)
+        store.sync(pager.table.take_moves(), extra, -extra, first_new=n)
+        k, v = store.read(np.arange(n + 3))
+        assert torch.equal(k[n:], extra) and torch.equal(v[n:], -extra) and torch.equal(k[:n], keys)
+
+
+def test_load_layout_refuses_a_store_in_use_or_mismatched_kv():
+    pager = make_pager("sequential", head_dim=4, page_size=4, record_moves=False)
+    pager.build(torch.zeros(10, 4))
+    store = HeadStore(pager.table, 4, torch.float32)
+    with pytest.raises(ValueError, match="holds 10 positions"):
+        store.load_layout(torch.zeros(9, 4), torch.zeros(9, 4))
+    store.load_layout(torch.zeros(10, 4), torch.zeros(10, 4))
+    with pytest.raises(ValueError, match="empty store"):
+        store.load_layout(torch.zeros(10, 4), torch.zeros(10, 4))
