@@ -61,6 +61,9 @@ def main() -> int:
                     help="comma-separated pager@budget or pager[key=value;...]@budget")
     ap.add_argument("--steps", type=int, default=16, help="decode steps per block")
     ap.add_argument("--reps", type=int, default=6, help="rounds of blocks")
+    ap.add_argument("--floor", type=int, default=0,
+                    help="also time full attention at this context (e.g. 324 = sink + window + budget 256: the step "
+                         "IceCache would take if selection and loading were free); ratios vs it are reported too")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from transformers import DynamicCache
@@ -70,25 +73,32 @@ def main() -> int:
     ids = torch.tensor([text_window(tok, args.context, seed=0)])
     specs = [s.strip() for s in args.variants.split(",") if s.strip()]
     caches: dict[str, object] = {"full": DynamicCache()}
+    prompts = {"full": ids}
+    floor = f"floor@{args.floor}" if args.floor else None
+    if floor:
+        caches[floor] = DynamicCache()
+        prompts[floor] = torch.tensor([text_window(tok, args.floor, seed=0)])
     for s in specs:
         caches[s] = IceCache(model.config, variant_config(s))
+        prompts[s] = ids
+    dense = lambda name: name == "full" or name == floor
     last: dict[str, torch.Tensor] = {}
     try:
         for name, cache in caches.items():
-            ctx = use_attention(model) if name != "full" else nullcontext()
+            ctx = use_attention(model) if not dense(name) else nullcontext()
             with ctx:
                 t0 = time.perf_counter()
-                out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                out = model(prompts[name], past_key_values=cache, use_cache=True, logits_to_keep=1)
                 t, _ = decode_block(model, cache, out.logits[0, -1].argmax().view(1, 1), 4)  # warm-up
                 last[name] = t
-            print(f"{name}: prefilled {ids.shape[1]} tokens + 4 warm-up steps in {time.perf_counter() - t0:.1f} s", flush=True)
+            print(f"{name}: prefilled {prompts[name].shape[1]} tokens + 4 warm-up steps in {time.perf_counter() - t0:.1f} s", flush=True)
         blocks: dict[str, list[float]] = {n: [] for n in caches}
         steps_all: dict[str, list[float]] = {n: [] for n in caches}
         stage_ms: dict[str, dict[str, float]] = {}
         for r in range(args.reps):
             for name, cache in caches.items():
                 before = dict(cache.timer.seconds) if isinstance(cache, IceCache) else None
-                ctx = use_attention(model) if name != "full" else nullcontext()
+                ctx = use_attention(model) if not dense(name) else nullcontext()
                 with ctx:
                     last[name], ts = decode_block(model, cache, last[name], args.steps)
                 blocks[name].append(1e3 * statistics.median(ts))
@@ -113,10 +123,15 @@ def main() -> int:
                 "ratio_vs_full_max": max(ratios),
                 "stage_ms_per_step": stage_ms.get(name, {}),
             }
+            if floor:
+                to_floor = [b / f for b, f in zip(blocks[name], blocks[floor])]
+                res["variants"][name].update(ratio_vs_floor_median=statistics.median(to_floor),
+                                             ratio_vs_floor_min=min(to_floor), ratio_vs_floor_max=max(to_floor))
             if isinstance(caches[name], IceCache):
                 st = caches[name].stats()
                 res["variants"][name]["device_kv_fraction"] = st["device_kv_bytes"] / st["full_kv_bytes"]
                 res["variants"][name]["copies_per_layer_step"] = st["copies_per_layer_step"]
+                res["variants"][name]["index"] = st["index"]  # what index="auto" chose
     finally:
         for c in caches.values():
             if isinstance(c, IceCache):
@@ -126,14 +141,17 @@ def main() -> int:
         f"Context {res['context']} tokens, {args.reps} rounds x {args.steps} decode steps per variant, interleaved; "
         f"torch {res['torch']}, {res['torch_threads']} threads. Wall {res['wall_s']:.0f} s.",
         "",
-        "| variant | median step ms | ratio vs full (median over rounds) | range | select | gather | copy | scatter | attend | insert | other |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| variant | median step ms | ratio vs full (median over rounds) | range |" + (" vs floor | range |" if floor else "")
+        + " select | gather | copy | scatter | attend | insert | other |",
+        "|---|---|---|---|" + ("---|---|" if floor else "") + "---|---|---|---|---|---|---|",
     ]
     for name, v in res["variants"].items():
         st = v["stage_ms_per_step"]
         cells = " | ".join(f"{st[k]:.1f}" if k in st else "" for k in ("select", "gather", "copy", "scatter", "attend", "insert", "other"))
+        to_floor = (f" {v['ratio_vs_floor_median']:.2f} | {v['ratio_vs_floor_min']:.2f}-{v['ratio_vs_floor_max']:.2f} |"
+                    if floor else "")
         lines.append(f"| {name} | {v['median_step_ms']:.1f} | {v['ratio_vs_full_median']:.2f} | "
-                     f"{v['ratio_vs_full_min']:.2f}-{v['ratio_vs_full_max']:.2f} | {cells} |")
+                     f"{v['ratio_vs_full_min']:.2f}-{v['ratio_vs_full_max']:.2f} |{to_floor} {cells} |")
     table = "\n".join(lines)
     print(table)
     if args.out:
