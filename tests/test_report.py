@@ -65,3 +65,18 @@ def test_long_text_ids_continue_real_text():
     assert ids[0] == 0 and ids[1 : n - 1] == [ord(c) for c in real_text()] and len(ids) > n + 1000
     assert ids[n - 1 : n + 1] == [ord("\n"), ord("\n")]
     assert long_text_ids(Chars(), 10) == [0] + [ord(c) for c in real_text()]
+
+
+def test_stdlib_text_is_the_sources_in_name_order_and_a_second_corpus():
+    from icecache.core.texts import real_text, stdlib_sources, stdlib_text_ids
+
+    class Chars:
+        def __call__(self, text, add_special_tokens=True):
+            return {"input_ids": ([0] if add_special_tokens else []) + [ord(c) for c in text]}
+
+    sources = list(stdlib_sources())
+    first = sources[0] + "\n\n"
+    ids = stdlib_text_ids(Chars(), len(first) + 2)  # needs the first file and part of the second
+    assert ids[0] == 0 and ids[1 : 1 + len(first)] == [ord(c) for c in first]
+    assert len(ids) == 1 + len(first) + len(sources[1]) + 2
+    assert "".join(map(chr, ids[1:200])) not in real_text()  # code, not the documentation's prose

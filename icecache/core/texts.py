@@ -13,7 +13,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-__all__ = ["real_text", "stdlib_sources", "long_text_ids"]
+__all__ = ["real_text", "stdlib_sources", "long_text_ids", "stdlib_text_ids", "TEXTS"]
+
+#: the corpora a benchmark can read its prompt from (``--text``): prose, or code
+TEXTS = ("docs", "stdlib")
 
 
 @lru_cache(maxsize=1)
@@ -44,4 +47,16 @@ def long_text_ids(tokenizer: Any, min_tokens: int) -> list[int]:
             if len(ids) >= min_tokens:
                 break
             ids += tokenizer("\n\n" + text, add_special_tokens=False)["input_ids"]
+    return ids
+
+
+def stdlib_text_ids(tokenizer: Any, min_tokens: int) -> list[int]:
+    """Token ids (at least ``min_tokens`` when the sources suffice) of the standard library's ``*.py`` sources in
+    name order, joined by blank lines (the tokenizer's special tokens first): a second corpus, code rather
+    than prose, for checks that should not rest on one text."""
+    ids = list(tokenizer("", add_special_tokens=True)["input_ids"])
+    for text in stdlib_sources():
+        if len(ids) >= min_tokens:
+            break
+        ids += tokenizer(text + "\n\n", add_special_tokens=False)["input_ids"]
     return ids

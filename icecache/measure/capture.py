@@ -30,7 +30,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from icecache.core.errors import ConfigError
-from icecache.core.texts import long_text_ids, real_text
+from icecache.core.texts import TEXTS, long_text_ids, real_text, stdlib_text_ids
 from icecache.runtime.attention import icecache_attention, use_attention
 
 CAPTURE_NAME = "icecache_capture"
@@ -242,9 +242,14 @@ def time_decode_steps(model: Any, past_key_values: Any, start_token: int, num_st
     return times
 
 
-def long_text(tokenizer: Any, min_tokens: int) -> torch.Tensor:
-    """Token ids ``[1, >= min_tokens]`` (if available) of long real text (`icecache.core.texts.long_text_ids`)."""
-    return torch.tensor([long_text_ids(tokenizer, min_tokens)], dtype=torch.long)
+def long_text(tokenizer: Any, min_tokens: int, text: str = "docs") -> torch.Tensor:
+    """Token ids ``[1, >= min_tokens]`` (if available) of long real text: ``text="docs"`` Python's documentation
+    continued by the standard library (`icecache.core.texts.long_text_ids`), ``"stdlib"`` the standard library's
+    sources alone (`stdlib_text_ids`)."""
+    if text not in TEXTS:
+        raise ConfigError(f"text must be one of {', '.join(TEXTS)}, got {text!r}")
+    ids = long_text_ids(tokenizer, min_tokens) if text == "docs" else stdlib_text_ids(tokenizer, min_tokens)
+    return torch.tensor([ids], dtype=torch.long)
 
 
 def prompt_ids(tokenizer: Any, n: int) -> torch.Tensor:

@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="icecache bench index", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="model name, .gguf file or directory (default: embedded SmolLM2-135M)")
     p.add_argument("--tokens", type=int, default=8192, help="prompt length of part A (default 8192)")
+    p.add_argument("--text", choices=("docs", "stdlib"), default="docs",
+                   help="prompt corpus: Python's documentation (prose, default) or the standard library's sources (code)")
     p.add_argument("--steps", type=int, default=32, help="decode-step queries per head: the last N positions (default 32)")
     p.add_argument("--budgets", default="64,128,256", help="comma-separated token budgets (default 64,128,256)")
     p.add_argument("--page-size", type=int, default=16, help="page capacity P (default 16)")
@@ -447,7 +449,7 @@ def run_bench(args: Any, argv: list[str]) -> int:
     n_layers = model.config.num_hidden_layers
     layers = [int(x) for x in args.layers.split(",")] if args.layers else [layer for layer in range(n_layers) if layer not in dense]
     sizes = sorted(int(s) for s in args.sizes.split(",") if s)
-    ids_all = long_text(tok, max(args.tokens, max(sizes) if not args.no_scaling else 0))
+    ids_all = long_text(tok, max(args.tokens, max(sizes) if not args.no_scaling else 0), args.text)
     res = BenchResults()
     if not args.no_quality:
         run_quality(model, ids_all[:, : args.tokens], args, layers, budgets, variants, res)
