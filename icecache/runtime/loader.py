@@ -145,7 +145,10 @@ class BulkLoader:
             cuda = self.device.type == "cuda"
             cap = max(B * H * budget, 1)
             self.staging = torch.empty(cap, 2, D, dtype=buf_k.dtype, pin_memory=cuda)
-            self.device_staging = torch.empty(cap, 2, D, dtype=buf_k.dtype, device=self.device)
+            # On a CPU "device" host and device memory are one: the gather writes where the scatter reads, and
+            # the bulk transfer (still counted in `copies`, one per layer step) moves no bytes.
+            self.device_staging = (torch.empty(cap, 2, D, dtype=buf_k.dtype, device=self.device)
+                                   if self.device.type != "cpu" else self.staging)
 
     def load(
         self,
@@ -199,7 +202,7 @@ class BulkLoader:
                     with torch.cuda.stream(self.stream):
                         self.device_staging[:n_new].copy_(self.staging[:n_new], non_blocking=True)
                     torch.cuda.current_stream(self.device).wait_stream(self.stream)
-                else:
+                elif self.device_staging is not self.staging:
                     self.device_staging[:n_new].copy_(self.staging[:n_new])
                 copies = 1
         with timer.stage("scatter"):
