@@ -153,6 +153,25 @@ def test_exact_equals_brute_force(keys, seed, budget, g):
     torch.testing.assert_close(sel.scores, ref)
 
 
+@settings(max_examples=60)
+@given(n=st.integers(1, 90), budget=st.integers(1, 100), g=st.integers(1, 3), seed=st.integers(0, 10_000))
+def test_exact_orders_ties_by_position(n, budget, g, seed):
+    """Small integer keys and queries make every score exact in float32, so ties are real: the kernel must
+    return the brute-force order (score descending, then position ascending)."""
+    gen = torch.Generator().manual_seed(seed)
+    keys = torch.randint(-2, 3, (n, 8), generator=gen).float()
+    q = torch.randint(-2, 3, (g, 8), generator=gen).float()
+    pager = make_pager("exact", head_dim=8, page_size=16)
+    pager.build(keys[: n // 2])
+    for row in keys[n // 2 :]:  # inserted one by one, as in decode
+        pager.insert(row[None])
+    sel = pager.select(q, budget)
+    s = (q @ keys.T).amax(0).tolist()
+    ref = sorted(range(n), key=lambda j: (-s[j], j))[: min(budget, n)]
+    assert sel.positions.tolist() == ref
+    assert sel.scores.tolist() == [s[j] for j in ref]
+
+
 # ----------------------------------------------------------------------------------------- sequential
 def quest_reference(q, keys, P):
     """Independent Quest page scores: for page i, sum_c max(q_c min_c, q_c max_c), max over the group."""

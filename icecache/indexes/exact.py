@@ -5,9 +5,56 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from numba import njit
 
 from icecache.core.pager import SemanticPager
 from icecache.indexes.registry import register_pager
+
+
+@njit(nogil=True, cache=True, fastmath={"reassoc", "contract"})
+def top_tokens_kernel(queries: np.ndarray, keys: np.ndarray, n: int, budget: int) -> tuple[np.ndarray, np.ndarray]:
+    """The ``min(budget, n)`` best of ``keys[:n]`` ``[n, d]`` for ``queries`` ``[g, d]`` by ``max_g q.k``, best
+    first, ties by position: ``(positions int64, scores float32)``. One pass reads each key once for the whole
+    group; a partition finds the k-th score; a stable sort orders the k winners only."""
+    g, d = queries.shape
+    scores = np.empty(n, np.float32)
+    for j in range(n):
+        best = -np.inf
+        for r in range(g):
+            s = np.float32(0.0)
+            for i in range(d):
+                s += queries[r, i] * keys[j, i]
+            if s > best:
+                best = s
+        scores[j] = best
+    k = min(budget, n)
+    pos = np.empty(k, np.int64)
+    if k == n:
+        for j in range(n):
+            pos[j] = j
+    elif k > 0:
+        kth = np.partition(scores, n - k)[n - k]  # the k-th largest score
+        c = 0
+        for j in range(n):  # everything above it, in position order ...
+            if scores[j] > kth:
+                pos[c] = j
+                c += 1
+        for j in range(n):  # ... then ties at it, in position order, until k
+            if c == k:
+                break
+            if scores[j] == kth:
+                pos[c] = j
+                c += 1
+    vals = np.empty(k, np.float32)
+    for t in range(k):
+        vals[t] = -scores[pos[t]]
+    order = np.argsort(vals, kind="mergesort")  # stable: equal scores keep position order
+    out_pos = np.empty(k, np.int64)
+    out_vals = np.empty(k, np.float32)
+    for t in range(k):
+        out_pos[t] = pos[order[t]]
+        out_vals[t] = -vals[order[t]]
+    return out_pos, out_vals
 
 
 @register_pager("exact")
@@ -25,7 +72,7 @@ class ExactPager(SemanticPager):
         return 1
 
     def _build(self, keys: torch.Tensor) -> None:
-        self._buf = keys.clone()
+        self._buf = torch.empty(keys.shape, dtype=torch.float32).copy_(keys)  # contiguous: the kernel reads rows
         self._keys = self._buf
         self.table.new_pages(np.arange(keys.shape[0]).reshape(-1, 1))
 
@@ -44,14 +91,9 @@ class ExactPager(SemanticPager):
 
     def _top_tokens(self, queries: torch.Tensor, budget: int) -> tuple[np.ndarray, np.ndarray]:
         """The ``min(budget, n)`` best positions for ``queries`` ``[g, d]`` by ``max_g q.k``, best first (ties by
-        position), with their scores: one q.K product, an unsorted top-k, and a sort of the k winners only."""
-        scores = queries @ self._keys.T  # [g, n]
-        scores = scores[0] if scores.shape[0] == 1 else scores.amax(dim=0)  # [n]
-        k = min(budget, scores.numel())
-        top = torch.topk(scores, k, sorted=False)
-        vals, pos = top.values.numpy(), top.indices.numpy()
-        order = np.lexsort((pos, -vals))  # best first; ties by position, whatever topk's internal order
-        return pos[order], vals[order]
+        position), with their scores (`top_tokens_kernel`: one compiled call, no intra-op threads)."""
+        q = queries.detach().to(torch.float32).contiguous().numpy()
+        return top_tokens_kernel(q, self._buf.numpy(), self._keys.shape[0], budget)
 
     def _rank_pages(self, queries: torch.Tensor, budget: int) -> tuple[np.ndarray, np.ndarray]:
         pos, vals = self._top_tokens(queries, budget)

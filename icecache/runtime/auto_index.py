@@ -2,7 +2,7 @@
 
 The measurement itself is `icecache.indexes.auto.measure_crossover`; this module stores its result in
 ``$ICECACHE_CACHE/auto_index.json`` (default ``~/.cache/icecache``), one entry per (head width, GQA group,
-budget, page size, torch version), and measures on first use with a one-line note on stderr (about 10-30 s).
+budget, page size, torch version, select code version), and measures on first use with a one-line note on stderr (about 10-30 s).
 Delete the file to measure again, or fix the number with ``index_params={"crossover": N}``.
 """
 
@@ -20,6 +20,9 @@ import torch
 from icecache.indexes.auto import measure_crossover
 
 FILENAME = "auto_index.json"
+#: Bumped when a pager's select code changes speed (2: the exact scorer became one compiled call), so a stored
+#: crossover measured on older code is measured again.
+SELECT_CODE = 2
 
 
 def crossover_path() -> Path:
@@ -29,7 +32,7 @@ def crossover_path() -> Path:
 
 
 def shape_key(head_dim: int, group: int, budget: int, page_size: int) -> str:
-    return f"head_dim={head_dim},group={group},budget={budget},page_size={page_size},torch={torch.__version__}"
+    return f"head_dim={head_dim},group={group},budget={budget},page_size={page_size},torch={torch.__version__},select_code={SELECT_CODE}"
 
 
 def read_entries(path: Path) -> dict[str, Any]:

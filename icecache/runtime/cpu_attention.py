@@ -58,9 +58,17 @@ def sparse_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vali
     """Masked attention of ``q`` ``[B, H, R, D]`` over ``k``/``v`` ``[B, H, S, D]`` where ``valid`` ``[B, H, S]``
     (bool), float32 CPU tensors; returns ``[B, H, R, D]`` in ``q``'s dtype. Equals SDPA with the boolean mask
     ``valid[:, :, None, :]`` up to float rounding (accumulation in float64)."""
-    qn = q.detach().to(torch.float32).contiguous().numpy()
-    kn = k.detach().to(torch.float32).contiguous().numpy()
-    vn = v.detach().to(torch.float32).contiguous().numpy()
-    out = np.empty(qn.shape, np.float32)
-    _attend(qn, kn, vn, valid.contiguous().numpy(), float(scale), out)
-    return torch.from_numpy(out).to(q.dtype)
+    out = np.empty(tuple(q.shape), np.float32)
+    _attend(_as_f32(q), _as_f32(k), _as_f32(v), valid.numpy() if valid.is_contiguous() else valid.contiguous().numpy(),
+            float(scale), out)
+    res = torch.from_numpy(out)
+    return res if q.dtype == torch.float32 else res.to(q.dtype)
+
+
+def _as_f32(t: torch.Tensor) -> np.ndarray:
+    """A float32, C-contiguous numpy view of ``t`` (a copy only when it is not one already): the runtime's
+    buffers are, so the per-layer call makes no torch op (each one costs a GIL round trip that the background
+    insert worker can hold up)."""
+    if t.dtype == torch.float32 and t.is_contiguous():
+        return t.detach().numpy()
+    return t.detach().to(torch.float32).contiguous().numpy()

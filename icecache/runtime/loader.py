@@ -81,7 +81,22 @@ def _assign_slots(pos, slot_of_pos, slot_pos, indptr):
     return new, slots, pages, reused
 
 
+@njit(nogil=True, cache=True)
+def _copy_rows(src, rows, dst_k, dst_v, dst_rows):
+    """CPU gather+scatter in one pass: ``src`` ``[N, 2, D]`` (a host store's flat view) rows ``rows`` -> K into
+    ``dst_k[dst_rows]`` and V into ``dst_v[dst_rows]`` (``[M, D]`` flat views of the layer's buffers)."""
+    D = src.shape[2]
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        d = dst_rows[i]
+        for j in range(D):
+            dst_k[d, j] = src[r, 0, j]
+            dst_v[d, j] = src[r, 1, j]
+
+
 _NO_INDPTR = np.zeros(0, np.int64)
+#: Dtypes the CPU direct path copies with `_copy_rows` (numpy has no bfloat16: those go through torch).
+_DIRECT_DTYPES = (torch.float32, torch.float16, torch.float64)
 
 
 @dataclass
@@ -149,6 +164,12 @@ class BulkLoader:
             # the bulk transfer (still counted in `copies`, one per layer step) moves no bytes.
             self.device_staging = (torch.empty(cap, 2, D, dtype=buf_k.dtype, device=self.device)
                                    if self.device.type != "cpu" else self.staging)
+        # CPU buffers of a numpy dtype: the gather writes straight into the budget slots (no staging rows, no
+        # scatter pass); the flat numpy views are taken once per buffer.
+        self.direct = self.device.type == "cpu" and buf_k.dtype in _DIRECT_DTYPES
+        if self.direct:
+            self._flat_k = buf_k.view(-1, D).numpy()
+            self._flat_v = buf_v.view(-1, D).numpy()
 
     def load(
         self,
@@ -192,6 +213,8 @@ class BulkLoader:
                         srcs.append((stores[b][h], stores[b][h].flat_index(new), n_new))
                         dst_rows.append(((b * H + h) * self.L + self.region_start) + slots)
                         n_new += len(new)
+        if self.direct:
+            return self._load_direct(srcs, dst_rows, n_new, n_sel, pages_sel, pages_reused, per_head, timer)
         with timer.stage("gather"):
             for store, idx, off in srcs:
                 torch.index_select(store.flat_view(), 0, torch.from_numpy(idx), out=self.staging[off : off + len(idx)])
@@ -221,6 +244,21 @@ class BulkLoader:
             pages_selected=pages_sel,
             pages_reused=pages_reused,
             per_head=per_head,
+        )
+
+    def _load_direct(self, srcs: list[tuple[HeadStore, np.ndarray, int]], dst_rows: list[np.ndarray], n_new: int,
+                     n_sel: int, pages_sel: int, pages_reused: int, per_head: list[tuple[int, int, int, int, int]],
+                     timer: StageTimer) -> LoadReport:
+        """`load`'s CPU path: each head's new rows go from its store straight into the budget slots. The
+        transfer still counts as the layer step's one copy when tokens moved (host and device are one memory)."""
+        with timer.stage("gather"):
+            for (store, idx, _), dst in zip(srcs, dst_rows):
+                _copy_rows(store.flat_view().numpy(), idx, self._flat_k, self._flat_v, dst)
+        with timer.stage("scatter"):
+            self.buf_valid[:, :, self.region_start : self.region_start + self.budget] = torch.from_numpy(self.slot_pos >= 0)
+        return LoadReport(
+            tokens_selected=n_sel, tokens_copied=n_new, bytes_copied=n_new * 2 * self.D * self.buf_k.element_size(),
+            copies=int(n_new > 0), pages_selected=pages_sel, pages_reused=pages_reused, per_head=per_head,
         )
 
     def resident_positions(self, b: int, h: int) -> np.ndarray:

@@ -14,8 +14,22 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from numba import njit
 
 from icecache.core.pages import Move, PageTable
+
+
+@njit(nogil=True, cache=True)
+def _flat_rows(page_of, slot_of, block_of, page_size, positions):
+    """Row of each position in a store's flat view; -1 for a position with no page or no block."""
+    out = np.empty(positions.shape[0], np.int64)
+    n = page_of.shape[0]
+    for i in range(positions.shape[0]):
+        p = positions[i]
+        page = page_of[p] if 0 <= p < n else -1
+        blk = block_of[page] if 0 <= page < block_of.shape[0] else -1
+        out[i] = blk * page_size + slot_of[p] if blk >= 0 else -1
+    return out
 
 
 class HeadStore:
@@ -120,9 +134,10 @@ class HeadStore:
     # ------------------------------------------------------------------ reads
     def flat_index(self, positions: np.ndarray) -> np.ndarray:
         """Row of each position's K/V in `flat_view`, ``[len(positions)]``."""
-        pages = self.table.page_of(positions)
-        assert (pages >= 0).all(), "position not in the host store"
-        return self.block_of[pages] * self.page_size + self.table.slot_of(positions)
+        rows = _flat_rows(self.table.page_of_, self.table.slot_of_, self.block_of, self.page_size,
+                          np.ascontiguousarray(positions, dtype=np.int64))
+        assert (rows >= 0).all(), "position not in the host store"
+        return rows
 
     def flat_view(self) -> torch.Tensor:
         """The pool as ``[num_blocks * page_size, 2, head_dim]`` (K at ``[:, 0]``, V at ``[:, 1]``)."""
