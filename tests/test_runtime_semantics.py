@@ -200,3 +200,26 @@ def test_unknown_index_fails_when_the_cache_is_built(tiny_llama):
         IceCache(tiny_llama.config, IceCacheConfig(index="nope"))
     with pytest.raises(Exception, match="no parameter 'bogus'"):
         IceCache(tiny_llama.config, IceCacheConfig(index="mdci", index_params={"bogus": 1}))
+
+
+@pytest.mark.parametrize("where", ["query", "leaving key"])
+def test_non_finite_queries_or_keys_are_refused_in_one_line(where):
+    """A NaN in the step's query, or in the key that leaves the window for the host pages, is an InputError
+    naming the layer (not a silent selection over garbage)."""
+    from icecache.core.errors import InputError
+
+    model = make_tiny_llama(seed=7)
+    cfg = IceCacheConfig(index="exact", budget=8, page_size=1, sink=2, window=8, dense_layers=(0,), threads=1)
+    cache = _prefill(model, _ids(40), cfg)
+    layer = cache.layers[1]
+    D = model.config.head_dim
+    if where == "query":
+        q = torch.zeros(1, model.config.num_attention_heads, 1, D)
+        q[0, 1, 0, 3] = float("nan")
+        with pytest.raises(InputError, match="layer 1: the model produced NaN/inf queries"):
+            layer.attend(q, D**-0.5, None)
+    else:
+        layer.keys[0, 0, layer.ring_slot(layer.length - layer.window), 5] = float("inf")
+        with pytest.raises(InputError, match="layer 1: the model produced NaN/inf keys"):
+            layer.take_leaving(layer.length - layer.window)
+    cache.close()

@@ -222,7 +222,7 @@ class TokenPlacement:
         ring = self.ring_slot(pos)
         kc = self.keys[:, :, ring].to("cpu")
         vc = self.values[:, :, ring].to("cpu")
-        if not bool(torch.isfinite(kc).all()):
+        if not np.isfinite(kc.numpy() if kc.dtype == torch.float32 else kc.float().numpy()).all():
             raise InputError(f"layer {self.layer_idx}: the model produced NaN/inf keys")
         self.offloaded_until = pos + 1
         return kc, vc

@@ -54,7 +54,7 @@ def select_layer(pagers: list[list[Any]], queries: torch.Tensor, budget: int, gq
                  keep_pages: bool = False) -> LayerSelection:
     """Select for every (row, KV head) of a layer; ``queries`` ``[B, H, n_rep, D]`` (any device and dtype)."""
     q_host = queries.detach().to("cpu", torch.float32).contiguous()
-    if not bool(torch.isfinite(q_host).all()):
+    if not np.isfinite(q_host.numpy()).all():  # numpy: no torch op (and GIL round trip) per layer step
         raise InputError(f"layer {layer_idx}: the model produced NaN/inf queries")
     B, H = q_host.shape[:2]
     sel = LayerSelection([], [], [])
