@@ -162,8 +162,6 @@ class IceCacheLayer(TokenPlacement, CacheLayerMixin):
         cache.fault_point("load", self.layer_idx, self.length)
         report = self.loader.load(self.stores, selection.positions, selection.indptrs, cache.timer)
         cache.accounting.record_load(self.layer_idx, report, selection, 2 * self.head_dim * self.keys.element_size())
-        if cache.prefetch_inserts:
-            self._prefetch_insert()
         with cache.timer.stage("attend"):
             if self.keys.device.type == "cpu":  # single-threaded kernel: no fork/join beside the insert worker
                 out = sparse_attention_cpu(qg, self.keys, self.values, self.valid, scaling)
@@ -171,6 +169,10 @@ class IceCacheLayer(TokenPlacement, CacheLayerMixin):
                 out = torch.nn.functional.scaled_dot_product_attention(
                     qg, self.keys, self.values, attn_mask=self.valid[:, :, None, :], scale=scaling
                 )  # [B, H, n_rep, D]
+        if cache.prefetch_inserts:
+            # After the attention: the worker's Python then overlaps the layer's projections and MLP (torch ops
+            # that release the GIL) instead of contending with this step's own Python work.
+            self._prefetch_insert()
         return out.reshape(B, Hq, 1, D).transpose(1, 2)
 
     # ------------------------------------------------------------------ introspection
