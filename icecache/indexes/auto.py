@@ -4,7 +4,11 @@ Below some size, scoring every key (``exact``: one q.K product and a top-k) is b
 than searching an index; above it M-DCI's select, which touches a fraction of the keys, wins. Where the two
 meet depends on the machine (memory bandwidth, BLAS, cores), so the crossover is measured, not assumed:
 `measure_crossover` times both pagers' ``select_arrays`` on Gaussian keys at a grid of sizes for the model's
-head width, GQA group and budget, and `crossover_from_times` finds where M-DCI becomes the faster one.
+head width, GQA group and budget, and `crossover_from_times` finds where M-DCI becomes the faster one. Each
+timed select starts from cold caches (a buffer twice the last-level cache is read first), as in a decode step,
+where the selects of 84+ (layer, KV head) pairs and the model's weights pass through the caches between two
+selects of one head: timed hot, exact's streaming scan looked slower against M-DCI's scattered reads than it
+is in the step (SmolLM2 at 8k: hot crossover 3,050 keys, yet exact was the faster pager in the step).
 
 The runtime (`icecache.runtime.cache.IceCache`) decides once per cache, from the middle tokens per head the
 generation is expected to hold (prompt, or ``max_cache_len`` when given, minus sink and window), and reports
@@ -32,6 +36,8 @@ CHOICES = ("exact", "mdci")
 DEFAULT_GRID = (2048, 4096, 8192, 16384, 32768, 65536)
 #: the largest crossover reported (when M-DCI is never faster, extrapolated no further)
 MAX_CROSSOVER = 1 << 20
+#: bytes read before each timed select so that it starts from cold caches (twice a 32 MiB last-level cache)
+EVICT_BYTES = 64 << 20
 
 
 def check_auto_params(params: dict[str, Any]) -> int | None:
@@ -94,17 +100,19 @@ def crossover_from_times(grid: Sequence[int], exact_s: Sequence[float], mdci_s: 
 
 
 def measure_crossover(head_dim: int, group: int, budget: int, page_size: int, *, grid: Sequence[int] = DEFAULT_GRID,
-                      calls: int = 30, seed: int = 0,
+                      calls: int = 30, seed: int = 0, cold: bool = True,
                       progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Time ``exact`` and ``mdci`` selects (median of ``calls``, one thread) on Gaussian keys ``[n, head_dim]``
-    for each ``n`` of ``grid`` with ``group`` queries and ``budget`` tokens; returns ``{"crossover_keys", "grid",
-    "exact_s", "mdci_s", "calls", "seconds"}``."""
+    for each ``n`` of ``grid`` with ``group`` queries and ``budget`` tokens; ``cold``: each from cold caches
+    (`EVICT_BYTES` read first, not timed). Returns ``{"crossover_keys", "grid", "exact_s", "mdci_s", "calls",
+    "cold", "seconds"}``."""
     from icecache.indexes.registry import make_pager
 
     rng = np.random.default_rng(seed)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the runtime selects on one thread
     t_start = time.perf_counter()
+    evict = np.ones(EVICT_BYTES // 8) if cold else None
     times: dict[str, list[float]] = {name: [] for name in CHOICES}
     try:
         for n in grid:
@@ -118,6 +126,8 @@ def measure_crossover(head_dim: int, group: int, budget: int, page_size: int, *,
                 pager.select_arrays(queries[0], budget, check=False)  # warm-up
                 per_call = []
                 for q in queries:
+                    if cold:
+                        evict.sum()
                     t0 = time.perf_counter()
                     pager.select_arrays(q, budget, check=False)
                     per_call.append(time.perf_counter() - t0)
@@ -126,6 +136,6 @@ def measure_crossover(head_dim: int, group: int, budget: int, page_size: int, *,
         torch.set_num_threads(threads)
     return {
         "crossover_keys": crossover_from_times(grid, times["exact"], times["mdci"]),
-        "grid": list(grid), "exact_s": times["exact"], "mdci_s": times["mdci"], "calls": calls,
+        "grid": list(grid), "exact_s": times["exact"], "mdci_s": times["mdci"], "calls": calls, "cold": cold,
         "seconds": round(time.perf_counter() - t_start, 2),
     }

@@ -20,9 +20,9 @@ import torch
 from icecache.indexes.auto import measure_crossover
 
 FILENAME = "auto_index.json"
-#: Bumped when a pager's select code changes speed (2: the exact scorer became one compiled call), so a stored
-#: crossover measured on older code is measured again.
-SELECT_CODE = 2
+#: Bumped when a pager's select code or the measurement changes (2: the exact scorer became one compiled call;
+#: 3: selects timed from cold caches), so a stored crossover measured on older code is measured again.
+SELECT_CODE = 3
 
 
 def crossover_path() -> Path:
