@@ -172,6 +172,25 @@ def test_exact_orders_ties_by_position(n, budget, g, seed):
     assert sel.scores.tolist() == [s[j] for j in ref]
 
 
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1024, 6000), k_frac=st.floats(0.0, 0.3), seed=st.integers(0, 10_000), ties=st.booleans(),
+       layout=st.sampled_from(["random", "ascending", "sampled_slots_high"]))
+def test_kth_largest_equals_a_full_sort(n, k_frac, seed, ties, layout):
+    """The sampled threshold of the exact scorer's k-th score is exact, ties and unlucky samples included
+    ("sampled_slots_high": the sample holds the best scores, so its estimate is too high and the whole array is
+    partitioned)."""
+    from icecache.indexes.exact import _kth_largest
+
+    rng = np.random.default_rng(seed)
+    scores = (rng.integers(-3, 4, n) if ties else rng.standard_normal(n)).astype(np.float32)
+    if layout == "ascending":
+        scores = np.sort(scores)
+    elif layout == "sampled_slots_high":
+        scores[::8] += 100.0
+    k = max(1, min(n - 1, int(k_frac * n)))
+    assert _kth_largest(scores, k) == np.sort(scores)[::-1][k - 1]
+
+
 # ----------------------------------------------------------------------------------------- sequential
 def quest_reference(q, keys, P):
     """Independent Quest page scores: for page i, sum_c max(q_c min_c, q_c max_c), max over the group."""

@@ -21,8 +21,9 @@ from icecache.indexes.auto import measure_crossover
 
 FILENAME = "auto_index.json"
 #: Bumped when a pager's select code or the measurement changes (2: the exact scorer became one compiled call;
-#: 3: selects timed from cold caches), so a stored crossover measured on older code is measured again.
-SELECT_CODE = 3
+#: 3: selects timed from cold caches; 4: the exact scorer finds its k-th score from a sampled threshold), so a
+#: stored crossover measured on older code is measured again.
+SELECT_CODE = 4
 
 
 def crossover_path() -> Path:
