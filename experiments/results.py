@@ -259,12 +259,13 @@ def row_decode() -> tuple[str, str, str]:
             f"selects {sc['model_pagers']['round_robin_ms']:.1f} -> {ss['model_pagers']['round_robin_ms']:.1f} ms "
             f"({link('experiments/bench_runtime/select_cost/')}, {link('experiments/bench_runtime/select_cost_streamed/')})")
     runs = {name: read_json(br / name / "tpot_interleaved.json")["variants"]
-            for name in ("interleaved_8k_nocopy", "interleaved_8k_hotpath")}
-    floor = next(name for name in runs["interleaved_8k_hotpath"] if name.startswith("floor@"))
+            for name in ("interleaved_8k_nocopy", "interleaved_8k_hotpath", "interleaved_8k_sampled")}
+    floor = next(name for name in runs["interleaved_8k_sampled"] if name.startswith("floor@"))
     to_floor = lambda name: " -> ".join(times(r[name]["ratio_vs_floor_median"]) for r in runs.values())
     head += (f"; against the step's floor (full attention at {floor.split('@')[1]} tokens = sink + window + budget, same "
-             f"rounds; before -> after the compiled hot path, {link('experiments/bench_runtime/interleaved_8k_nocopy/')} -> "
-             f"{link('experiments/bench_runtime/interleaved_8k_hotpath/')}): exact {to_floor('exact@256')}, "
+             f"rounds; before -> compiled hot path -> sampled top-k and cold-calibrated auto, "
+             f"{link('experiments/bench_runtime/interleaved_8k_nocopy/')} -> {link('experiments/bench_runtime/interleaved_8k_hotpath/')} "
+             f"-> {link('experiments/bench_runtime/interleaved_8k_sampled/')}): exact {to_floor('exact@256')}, "
              f"M-DCI {to_floor('mdci@256')}, `index=\"auto\"` {to_floor('auto@256')}, Quest pages "
              f"{to_floor('sequential@256')} (issue 24's target 1.2x and <= Quest: missed)")
     return ("decode speed and memory", link("experiments/bench_runtime/README.md", full=True), head)
