@@ -20,7 +20,8 @@ runner no longer holds (finished or aborted). A preempted request keeps its stat
 when it is scheduled again with a different block-table prefix, its state is rebuilt from the cache.
 Limits: this relies on private internals of vLLM 0.32.0's V1 runner (pinned by the serve environment; the
 builder fails with a one-line error if it cannot find them); one worker process (the CPU platform's default);
-the dense kernel still runs for sparse rows (their output is then overwritten), so decode is not yet faster.
+in a batch that mixes sparse and dense rows the dense kernel also runs for the sparse ones (their output is
+then overwritten); selection and gathering are per-row Python, so decode is not yet faster than dense.
 The KV-connector route (lifecycle events without the stack walk) is not implemented.
 """
 
@@ -117,8 +118,11 @@ class RequestStates:
         self.states: dict[str, RequestState] = {}
 
     def drop_except(self, live: Any) -> None:
-        for rid in [r for r in self.states if r not in live]:
+        gone = [r for r in self.states if r not in live]
+        for rid in gone:
             del self.states[rid]
+        if gone:
+            logger.info("icecache: freed the pagers of %d finished request(s); %d live", len(gone), len(self.states))
 
     def for_row(self, rid: str, block_row: torch.Tensor, seq_len: int, block_size: int) -> RequestState:
         """The state of ``rid``; rebuilt when the request's blocks changed (preempted and rescheduled)."""
@@ -219,14 +223,13 @@ class IceCacheCPUImpl(CPUAttentionBackendImpl):
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: Any, output: torch.Tensor, output_scale: torch.Tensor | None = None,
                 output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
-        out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
         rows = getattr(attn_metadata, "icecache_rows", None)
-        if not rows or self.ice is None or self.sliding_window != -1:
-            return out
-        if self.layer_idx is None:
+        if rows and self.layer_idx is None:
             self.layer_idx = extract_layer_index(layer.layer_name)
-        if self.layer_idx in self.ice.dense_layers:
-            return out
+        if not rows or self.ice is None or self.sliding_window != -1 or self.layer_idx in self.ice.dense_layers:
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
+        if len(rows) < attn_metadata.query_start_loc.shape[0] - 1:  # rows that stay dense: vLLM's kernel for all
+            super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
         NB, H, BS, _ = kv_cache.shape
         transposed = KVLayout.keys_transposed(layer.isa, kv_cache.dtype, BS, self.head_size)
         for row in rows:
