@@ -48,7 +48,7 @@ from icecache.runtime.cpu_attention import sparse_attention_cpu
 from icecache.runtime.selection import select_pages
 from icecache.serving.vllm_plugin import check_index, icecache_config
 
-logger = init_logger(__name__)
+logger = init_logger("vllm.icecache")  # under "vllm": vLLM configures only its own loggers
 
 
 # ---------------------------------------------------------------------------------------------- KV layout
@@ -215,7 +215,7 @@ class IceCacheCPUImpl(CPUAttentionBackendImpl):
         self.ice = current_config()
         if self.ice is not None:
             check_index(self.ice, self.head_size)
-            logger.info_once("icecache: sparse decode on: %s", self.ice)
+            logger.info_once(f"icecache: sparse decode on: {self.ice}")
             if self.num_heads % self.num_kv_heads:
                 raise ConfigError(f"icecache: {self.num_heads} query heads do not split into {self.num_kv_heads} KV heads")
         self.layer_idx: int | None = None
