@@ -142,7 +142,7 @@ def test_bad_config_fails_at_start(tmp_path, bad, message):
 # ---------------------------------------------------------------------------------------------- OpenAI server
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """`vllm serve` with the plugin at budget 256 on 127.0.0.1; yields its base URL and log path."""
+    """vLLM's OpenAI server with the plugin at budget 256 on 127.0.0.1; yields its base URL and log path."""
     import socket
     import time
     import urllib.request
@@ -155,7 +155,10 @@ def server(tmp_path_factory):
         port = s.getsockname()[1]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="2", VLLM_PLUGINS="icecache")
     log_path = tmp / "server.log"
-    cmd = [str(Path(sys.executable).parent / "vllm"), "serve", str(vllm_model_dir()), "--host", "127.0.0.1", "--port", str(port),
+    # not the `vllm serve` script: vllm-cpu 0.32.0's CLI asks for the version of a distribution named "vllm" and
+    # stops (PackageNotFoundError; entrypoints/cli/main.py:99); the module entry point serves the same app
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(vllm_model_dir()),
+           "--host", "127.0.0.1", "--port", str(port),
            "--dtype", "float32", "--max-model-len", "8192", "--enforce-eager", "--seed", "0",
            "--additional-config", json.dumps(ICE_256)]
     with open(log_path, "w") as log:
