@@ -130,6 +130,21 @@ def test_tight_sparse_decode_matches_hf_runtime(stock, ice_tight):
     assert all(r[1] == NEW for r in rows), rows
 
 
+@pytest.fixture(scope="module")
+def ice_mdci(tmp_path_factory):
+    cfg = {"icecache": REFERENCE["configs"]["mdci-256"]}
+    return run_vllm(tmp_path_factory.mktemp("mdci"), plugin=True, additional_config=cfg, prompts=LONG)
+
+
+def test_mdci_sparse_decode_matches_hf_runtime(ice_mdci):
+    """M-DCI at budget 256 (the essay departs from full attention at token 15): the pagers are built and fed
+    in the HF runtime's order, so they select the same pages."""
+    rows = [(rec["name"], _matching_prefix(ids, rec["outputs"]["mdci-256"]), _matching_prefix(rec["outputs"]["mdci-256"], rec["outputs"]["full"]))
+            for rec, ids in zip(REFERENCE["prompts"], ice_mdci["token_ids"])]
+    print(f"mdci-256: (prompt, plugin=HF sparse, HF sparse=HF full) of {NEW}:", rows)
+    assert all(r[1] == NEW for r in rows), rows
+
+
 @pytest.mark.parametrize("bad, message", [
     ({"budget": -1}, "IceCacheConfig.budget must be in [0, 16777216], got -1"),
     ({"budgte": 256}, 'additional_config["icecache"] has unknown or unsupported key(s) budgte'),
