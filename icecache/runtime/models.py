@@ -266,11 +266,42 @@ def _load_dir(path: Path, dtype: torch.dtype, attn: str | None, trust_remote_cod
     return _finish(model, tokenizer)
 
 
+def converted_dir(name_or_path: str | os.PathLike | None = None) -> Path:
+    """The converted safetensors directory (under `cache_root`) of a named model or a ``.gguf`` file, without
+    loading anything or importing transformers. Raises `ModelLoadError` when it has not been converted yet
+    (`load_model` converts it) and `UnknownNameError` for anything else."""
+    name_or_path = DEFAULT_MODEL if name_or_path is None else name_or_path
+    key = str(name_or_path)
+    if key in MODELS:
+        gguf = locate_gguf(MODELS[key])
+    elif (path := Path(name_or_path).expanduser()).is_file() and path.suffix == ".gguf":
+        gguf = path
+    else:
+        raise UnknownNameError(f"unknown model {key!r}: not a known name ({', '.join(sorted(MODELS))}) or an existing .gguf file")
+    sha = _sha256(gguf)
+    entry = _entry_of(gguf, sha)
+    try:
+        meta = json.loads((entry / "icecache.json").read_text())
+    except (OSError, ValueError):
+        meta = {}
+    if meta.get("format") != _CACHE_FORMAT or meta.get("sha256") != sha:
+        raise ModelLoadError(
+            f"model {key!r} has not been converted yet (no complete {entry}). Fix: run "
+            f"`python -c 'import icecache; icecache.load_model({key!r})'` in icecache's main environment (`make setup`)"
+        )
+    return entry
+
+
+def _entry_of(gguf: Path, sha: str) -> Path:
+    """Cache directory of the converted copy of ``gguf`` (SHA-256 ``sha``)."""
+    return cache_root() / "models" / f"{gguf.stem}-{sha[:16]}"
+
+
 def _load_gguf(gguf: Path, dtype: torch.dtype, attn: str | None, fix_hint: str) -> tuple[Any, Any]:
     import transformers
 
     sha = _sha256(gguf)
-    entry = cache_root() / "models" / f"{gguf.stem}-{sha[:16]}"
+    entry = _entry_of(gguf, sha)
     meta_path = entry / "icecache.json"
     if meta_path.is_file():
         try:

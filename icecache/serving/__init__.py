@@ -1,0 +1,1 @@
+"""Serving IceCache inside other engines: the vLLM plugin (docs/serving.md)."""
