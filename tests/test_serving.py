@@ -74,3 +74,50 @@ def test_converted_dir_says_how_to_convert(tmp_path, monkeypatch):
     monkeypatch.setenv("ICECACHE_CACHE", str(tmp_path / "cache"))
     with pytest.raises(ModelLoadError, match="has not been converted yet"):
         models.converted_dir(gguf)
+
+
+# ---------------------------------------------------------------------------------------------- paged KV reads
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+def _paged_cache(keys, values, block_size: int, transposed: bool, seed: int):
+    """A vLLM-CPU-layout cache ``[num_blocks, H, block_size, 2 * D]`` holding one request's ``keys``/``values``
+    ``[n, H, D]`` in shuffled blocks, written token by token (the brute-force reference); and its block row."""
+    import numpy as np
+    import torch
+
+    n, H, D = keys.shape
+    n_blocks = -(-n // block_size)
+    total = n_blocks + 3
+    row = torch.from_numpy(np.random.default_rng(seed).permutation(total)[:n_blocks].astype(np.int32))
+    cache = torch.full((total, H, block_size, 2 * D), float("nan"))
+    flat = cache.view(total, H, 2 * block_size * D)
+    for p in range(n):
+        b, off = int(row[p // block_size]), p % block_size
+        for h in range(H):
+            for d in range(D):
+                flat[b, h, (d * block_size + off) if transposed else (off * D + d)] = keys[p, h, d]
+                flat[b, h, block_size * D + off * D + d] = values[p, h, d]
+    return cache, row
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 70), heads=st.integers(1, 3), dim=st.sampled_from([1, 4, 8]), block_size=st.sampled_from([4, 16]),
+       transposed=st.booleans(), picks=st.integers(1, 40), seed=st.integers(0, 2**16))
+def test_gather_kv_heads_reads_each_heads_own_positions(n, heads, dim, block_size, transposed, picks, seed):
+    """The numba gather (float32) and the torch gather both return K[positions[h], h] and V[positions[h], h]."""
+    import numpy as np
+    import torch
+
+    from icecache.serving.paged_kv import _gather_kv_heads_torch, gather_kv_heads
+
+    g = torch.Generator().manual_seed(seed)
+    keys, values = torch.randn(n, heads, dim, generator=g), torch.randn(n, heads, dim, generator=g)
+    cache, row = _paged_cache(keys, values, block_size, transposed, seed)
+    positions = np.random.default_rng(seed).integers(0, n, size=(heads, picks)).astype(np.int64)
+    want_k = torch.stack([keys[positions[h], h] for h in range(heads)])
+    want_v = torch.stack([values[positions[h], h] for h in range(heads)])
+    for gather in (gather_kv_heads, _gather_kv_heads_torch):
+        k, v = gather(cache, row, positions, transposed)
+        assert torch.equal(k, want_k) and torch.equal(v, want_v), gather.__name__

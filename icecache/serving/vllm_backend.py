@@ -15,9 +15,10 @@ fed, every step, the tokens that left the window since. Keys and values are read
 through the request's block-table row (`KVLayout` knows how the CPU kernel lays a block out).
 
 Request identity (design choice): the builder reads the row -> request-id map of the worker's model runner
-(``input_batch.req_ids``, the runner being ``self`` of a caller's frame) and frees the state of any request the
-runner no longer holds (finished or aborted). A preempted request keeps its state while the runner keeps it;
-when it is scheduled again with a different block-table prefix, its state is rebuilt from the cache.
+(``input_batch.req_ids``, the runner being ``self`` of a caller's frame). A request's state is freed when the
+runner drops its request object (finished or aborted; `RequestStates`) and when the step's scheduler output
+(a local of the runner's ``execute_model``) names it preempted; when it is scheduled again, its state is
+rebuilt from the cache.
 Limits: this relies on private internals of vLLM 0.32.0's V1 runner (pinned by the serve environment; the
 builder fails with a one-line error if it cannot find them); one worker process (the CPU platform's default);
 in a batch that mixes sparse and dense rows the dense kernel also runs for the sparse ones (their output is
@@ -28,6 +29,8 @@ The KV-connector route (lifecycle events without the stack walk) is not implemen
 from __future__ import annotations
 
 import sys
+import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,54 +49,10 @@ from icecache.core.config import IceCacheConfig
 from icecache.core.errors import CacheMisuseError, ConfigError
 from icecache.runtime.cpu_attention import sparse_attention_cpu
 from icecache.runtime.selection import select_pages
+from icecache.serving.paged_kv import KVLayout, gather_kv_heads
 from icecache.serving.vllm_plugin import check_index, icecache_config
 
 logger = init_logger("vllm.icecache")  # under "vllm": vLLM configures only its own loggers
-
-
-# ---------------------------------------------------------------------------------------------- KV layout
-class KVLayout:
-    """How the CPU kernel (``cpu_attn_reshape_and_cache``) lays out one block of one KV head for an ISA:
-    keys ``[block_size, D]`` or transposed ``[D, block_size]`` (the ``vec`` kernel), values ``[block_size, D]``.
-    Found once per (ISA, dtype, block size, head size) by writing known keys and looking where they went."""
-
-    _known: dict[tuple[str, torch.dtype, int, int], bool] = {}
-
-    @classmethod
-    def keys_transposed(cls, isa: str, dtype: torch.dtype, block_size: int, head_size: int) -> bool:
-        key = (isa, dtype, block_size, head_size)
-        if key not in cls._known:
-            from vllm import _custom_ops as ops
-
-            kv = torch.zeros(2, 1, block_size, 2 * head_size, dtype=dtype)
-            kc, vc = kv.view(2, 1, 2 * block_size, head_size).chunk(2, dim=2)
-            k = torch.randn(block_size, 1, head_size, generator=torch.Generator().manual_seed(0)).to(dtype)
-            ops.cpu_attn_reshape_and_cache(k, k.clone(), kc, vc, torch.arange(block_size) + block_size, isa)
-            flat = kv.view(2, 1, 2, block_size * head_size)[1, 0, 0]
-            if torch.equal(flat.view(block_size, head_size), k[:, 0]):
-                cls._known[key] = False
-            elif torch.equal(flat.view(head_size, block_size).t(), k[:, 0]):
-                cls._known[key] = True
-            else:
-                raise CacheMisuseError(f"icecache: unknown vLLM CPU KV-cache block layout for isa {isa!r} ({dtype}, block {block_size})")
-        return cls._known[key]
-
-
-def read_kv(kv_cache: torch.Tensor, blocks: torch.Tensor, positions: np.ndarray, transposed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V ``[n, H, D]`` (float32 copies) of a request's token ``positions`` from the paged cache
-    ``kv_cache`` ``[num_blocks, H, block_size, 2 * D]``; ``blocks`` is the request's block-table row."""
-    NB, H, BS, D2 = kv_cache.shape
-    D = D2 // 2
-    pos = torch.from_numpy(np.asarray(positions, dtype=np.int64))
-    blk = blocks[pos // BS].long()
-    off = pos % BS
-    halves = kv_cache.view(NB, H, 2, BS * D)
-    if transposed:
-        k = halves[:, :, 0].unflatten(-1, (D, BS))[blk, :, :, off]  # [n, H, D]
-    else:
-        k = halves[:, :, 0].unflatten(-1, (BS, D))[blk, :, off, :]
-    v = halves[:, :, 1].unflatten(-1, (BS, D))[blk, :, off, :]
-    return k.to(torch.float32), v.to(torch.float32)
 
 
 # ---------------------------------------------------------------------------------------------- request state
@@ -103,29 +62,58 @@ class LayerState:
     inserted_until: int  # absolute positions [sink, inserted_until) are in the pagers
 
 
+#: stages of a sparse decode row, timed per request (logged when its state is freed)
+STAGES = ("build", "insert", "select", "gather", "attend")
+
+
 @dataclass
 class RequestState:
     """The pagers of one request, per sparse layer (created on first use)."""
 
     blocks: tuple[int, ...] = ()  # block-table prefix the pagers were fed from
     layers: dict[int, LayerState] = field(default_factory=dict)
+    #: seconds spent per stage of the sparse decode (build, insert, select, gather, attend), all layers and steps
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
+    layer_steps: int = 0  # sparse (layer, step) pairs decoded
+
+    def stage_summary(self) -> str:
+        """``"84 layer-steps: build 0.41 s, insert 0.01 s, ..."`` for the log line that frees the state."""
+        return f"{self.layer_steps} layer-steps: " + ", ".join(f"{k} {v:.3f} s" for k, v in self.seconds.items())
+
 
 
 class RequestStates:
-    """Per-process map request id -> `RequestState` (the CPU platform runs one worker process)."""
+    """Per-process map request id -> `RequestState` (the CPU platform runs one worker process).
+
+    A state is freed when vLLM frees the request: its runner drops the request's `CachedRequestState` when the
+    request finishes or is aborted (a finalizer on that object), and the builder frees the requests that the
+    step's scheduler output names as preempted (rebuilt from the cache when they come back). Requests merely
+    absent from a batch keep their state (pipeline parallelism keeps several batches in flight)."""
 
     def __init__(self) -> None:
         self.states: dict[str, RequestState] = {}
 
-    def drop_except(self, live: Any) -> None:
-        gone = [r for r in self.states if r not in live]
-        for rid in gone:
-            del self.states[rid]
-        if gone:
-            logger.info("icecache: freed the pagers of %d finished request(s); %d live", len(gone), len(self.states))
+    def bytes_held(self) -> int:
+        """Bytes of index memory held by every live request's pagers (`SemanticPager.index_bytes`)."""
+        return sum(p.index_bytes() for st in self.states.values() for ls in st.layers.values() for p in ls.pagers)
 
-    def for_row(self, rid: str, block_row: torch.Tensor, seq_len: int, block_size: int) -> RequestState:
-        """The state of ``rid``; rebuilt when the request's blocks changed (preempted and rescheduled)."""
+    def release(self, rid: str, state: RequestState | None = None, why: str = "finished") -> None:
+        """Free the pagers of ``rid`` (only if they are still ``state``, when given: ids can be reused)."""
+        st = self.states.get(rid)
+        if st is None or (state is not None and st is not state):
+            return
+        del self.states[rid]
+        logger.info("icecache: freed the pagers of request %s (%s); %d live, %d index bytes held; it took %s",
+                    rid, why, len(self.states), self.bytes_held(), st.stage_summary())
+
+    def keep_only(self, live: Any, why: str) -> None:
+        """Free every state whose request id is not in ``live``."""
+        for rid in [r for r in self.states if r not in live]:
+            self.release(rid, why=why)
+
+    def for_row(self, rid: str, block_row: torch.Tensor, seq_len: int, block_size: int, owner: Any = None) -> RequestState:
+        """The state of ``rid``; rebuilt when the request's blocks changed (preempted and rescheduled).
+        ``owner`` (vLLM's per-request object) frees the state when it is garbage-collected."""
         n_blocks = -(-seq_len // block_size)
         blocks = tuple(block_row[:n_blocks].tolist())
         st = self.states.get(rid)
@@ -133,6 +121,8 @@ class RequestStates:
             logger.info("icecache: request %s decodes sparse from context %d%s", rid, seq_len,
                         "" if st is None else " (rebuilt: its blocks changed)")
             st = self.states[rid] = RequestState()
+            if owner is not None:
+                weakref.finalize(owner, self.release, rid, st)
         st.blocks = blocks
         return st
 
@@ -140,15 +130,21 @@ class RequestStates:
 STATES = RequestStates()
 
 
-def find_runner() -> Any:
-    """vLLM's model runner: ``self`` of the first calling frame that has ``input_batch`` and ``requests``."""
+def find_runner() -> tuple[Any, Any]:
+    """vLLM's model runner (``self`` of the first calling frame that has ``input_batch`` and ``requests``) and the
+    step's ``scheduler_output`` (a local of the runner's ``execute_model``); None for what is not found."""
+    runner = sched = None
     frame = sys._getframe(1)
-    while frame is not None:
-        obj = frame.f_locals.get("self")
-        if obj is not None and hasattr(obj, "input_batch") and hasattr(obj, "requests"):
-            return obj
+    while frame is not None and (runner is None or sched is None):
+        local = frame.f_locals
+        obj = local.get("self")
+        if runner is None and obj is not None and hasattr(obj, "input_batch") and hasattr(obj, "requests"):
+            runner = obj
+        out = local.get("scheduler_output")
+        if sched is None and out is not None and hasattr(out, "preempted_req_ids"):
+            sched = out
         frame = frame.f_back
-    return None
+    return runner, sched
 
 
 # ---------------------------------------------------------------------------------------------- config
@@ -193,18 +189,20 @@ class IceCacheCPUBuilder(CPUAttentionMetadataBuilder):
         qsl = common_attn_metadata.query_start_loc_cpu.tolist()
         seq_lens = common_attn_metadata.seq_lens.cpu().tolist()
         rows = [i for i in range(num_reqs) if qsl[i + 1] - qsl[i] == 1 and seq_lens[i] > threshold]
-        runner = find_runner()
+        runner, sched = find_runner()
         if runner is None:
             if rows:
                 raise CacheMisuseError("icecache: cannot find vLLM's model runner to map batch rows to requests (vLLM other than 0.32.0?)")
             return md
         req_ids = runner.input_batch.req_ids
-        STATES.drop_except(runner.requests)
+        STATES.keep_only(runner.requests, "finished")
         if len(req_ids) < num_reqs:  # a dummy (profiling / warm-up) batch
             return md
+        for rid in (sched.preempted_req_ids or ()) if sched is not None else ():
+            STATES.release(rid, why="preempted")
         bt = common_attn_metadata.block_table_tensor
         for i in rows:
-            st = STATES.for_row(req_ids[i], bt[i], seq_lens[i], self.block_size)
+            st = STATES.for_row(req_ids[i], bt[i], seq_lens[i], self.block_size, owner=runner.requests.get(req_ids[i]))
             md.icecache_rows.append(SparseRow(qsl[i], seq_lens[i], bt[i], st))
         return md
 
@@ -242,6 +240,8 @@ class IceCacheCPUImpl(CPUAttentionBackendImpl):
         cfg = self.ice
         S, W, T = cfg.sink, cfg.window, row.seq_len
         H, D = self.num_kv_heads, self.head_size
+        clock = row.state.seconds
+        t0 = time.perf_counter()
         ls = row.state.layers.get(self.layer_idx)
         if ls is None:  # first sparse step of this request here: build as if the prompt were T - 1 tokens
             from icecache.indexes import make_pager
@@ -249,36 +249,43 @@ class IceCacheCPUImpl(CPUAttentionBackendImpl):
             ls = LayerState([make_pager(cfg.index, head_dim=D, page_size=cfg.page_size, seed=cfg.seed, **cfg.index_params)
                              for _ in range(H)], S)
             end = max(S, T - 1 - W)
-            k, _ = read_kv(kv_cache, row.blocks, np.arange(S, end), transposed)
+            k, _ = gather_kv_heads(kv_cache, row.blocks, np.broadcast_to(np.arange(S, end), (H, end - S)), transposed)
             for h in range(H):
-                ls.pagers[h].build(k[:, h].contiguous())
+                ls.pagers[h].build(k[h])
             ls.inserted_until = end
             row.state.layers[self.layer_idx] = ls
+        t1 = time.perf_counter()
         if ls.inserted_until < T - W:  # tokens that left the window since the last step, one by one
-            k, _ = read_kv(kv_cache, row.blocks, np.arange(ls.inserted_until, T - W), transposed)
-            for j in range(k.shape[0]):
+            leaving = np.arange(ls.inserted_until, T - W)
+            k, _ = gather_kv_heads(kv_cache, row.blocks, np.broadcast_to(leaving, (H, len(leaving))), transposed)
+            for j in range(len(leaving)):
                 for h in range(H):
-                    ls.pagers[h].insert(k[j : j + 1, h].contiguous(), check=False)
+                    ls.pagers[h].insert(k[h, j : j + 1], check=False)
             ls.inserted_until = T - W
+        t2 = time.perf_counter()
         qg = q.detach().to(torch.float32).reshape(H, -1, D)
         selected = [select_pages(ls.pagers[h], qg[h].contiguous(), cfg.budget, cfg.gqa)[2] for h in range(H)]
+        t3 = time.perf_counter()
         n_sel = max((len(p) for p in selected), default=0)
-        fixed = np.concatenate([np.arange(S), np.arange(T - W, T)])
-        L = len(fixed) + n_sel
-        keys = torch.zeros(1, H, L, D)
-        values = torch.zeros(1, H, L, D)
-        valid = torch.zeros(1, H, L, dtype=torch.bool)
-        kf, vf = read_kv(kv_cache, row.blocks, fixed, transposed)  # [n, H, D]
-        keys[0, :, : len(fixed)] = kf.transpose(0, 1)
-        values[0, :, : len(fixed)] = vf.transpose(0, 1)
-        valid[0, :, : len(fixed)] = True
-        for h, pos in enumerate(selected):
-            if len(pos):
-                ks, vs = read_kv(kv_cache, row.blocks, np.asarray(pos) + S, transposed)
-                keys[0, h, len(fixed) : len(fixed) + len(pos)] = ks[:, h]
-                values[0, h, len(fixed) : len(fixed) + len(pos)] = vs[:, h]
-                valid[0, h, len(fixed) : len(fixed) + len(pos)] = True
-        out = sparse_attention_cpu(qg[None], keys, values, valid, self.scale)  # [1, H, n_rep, D]
+        F = S + W
+        positions = np.empty((H, F + n_sel), np.int64)
+        positions[:, :S] = np.arange(S)
+        positions[:, S:F] = np.arange(T - W, T)
+        valid = np.ones((H, F + n_sel), np.bool_)
+        for h, pos in enumerate(selected):  # middle positions; a head that selected fewer pads with masked slots
+            positions[h, F : F + len(pos)] = np.asarray(pos) + S
+            positions[h, F + len(pos) :] = 0
+            valid[h, F + len(pos) :] = False
+        keys, values = gather_kv_heads(kv_cache, row.blocks, positions, transposed)  # [H, L, D]
+        t4 = time.perf_counter()
+        out = sparse_attention_cpu(qg[None], keys[None], values[None], torch.from_numpy(valid)[None], self.scale)  # [1, H, n_rep, D]
+        t5 = time.perf_counter()
+        clock["build"] += t1 - t0
+        clock["insert"] += t2 - t1
+        clock["select"] += t3 - t2
+        clock["gather"] += t4 - t3
+        clock["attend"] += t5 - t4
+        row.state.layer_steps += 1
         return out.reshape(-1, D)
 
 

@@ -1,9 +1,13 @@
-"""Make tests/serving/data/hf_reference.json: icecache's HF runtime on passkey prompts (run in the MAIN venv).
+"""Make the HF-runtime references of the vLLM tests (run in the MAIN venv).
 
-    .venv/bin/python tests/serving/make_reference.py [PROMPT_NAME ...]
+    .venv/bin/python tests/serving/make_reference.py [PROMPT_NAME ...]   # data/hf_reference.json
+    .venv/bin/python tests/serving/make_reference.py --tasks             # data/hf_tasks_reference.json
 
 The vLLM tests (tests/serving/test_vllm_plugin.py, serve venv) feed the same prompt token ids to vLLM and
 compare greedy outputs with the ones stored here: full attention, and IceCache at the configs in CONFIGS.
+``--tasks``: the 4k passkey prompts of `icecache.eval.passkey` (five depths) and two RULER samples of each of
+the 8 NIAH tasks at 4k (`icecache.eval.ruler`, chat template as the RULER runner uses it), with full attention
+and IceCache's default config (M-DCI, budget 256), each with its score.
 """
 
 from __future__ import annotations
@@ -17,6 +21,10 @@ import icecache
 from icecache.core.config import IceCacheConfig
 
 OUT = Path(__file__).parent / "data" / "hf_reference.json"
+TASKS_OUT = Path(__file__).parent / "data" / "hf_tasks_reference.json"
+TASK_NEW_TOKENS = 48  # enough for every NIAH answer (4 values of 7 digits, 3 UUIDs) after the answer prefix
+PASSKEY_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
+NIAH_SAMPLES = 2
 NEW_TOKENS = 24
 #: the IceCache settings compared (the vLLM plugin takes the same keys in additional_config["icecache"])
 CONFIGS = {
@@ -71,5 +79,45 @@ def main(only: list[str]) -> None:
     OUT.write_text(json.dumps(out) + "\n")
 
 
+def task_prompts(tok: object) -> list[tuple[str, str, object]]:
+    """(name, prompt text, scorer of a completion) of the passkey and RULER NIAH prompts at 4k."""
+    from icecache.eval.passkey import make_passkey, passkey_correct
+    from icecache.eval.ruler import make_sample, score_sample
+    from icecache.eval.ruler.niah import NIAH_TASKS
+
+    out = []
+    for i, depth in enumerate(PASSKEY_DEPTHS):
+        pk = make_passkey(tok, 4096, depth, seed=i)
+        out.append((f"passkey-4k-d{depth}", pk.prompt, lambda text, pk=pk: float(passkey_correct(pk, text))))
+    for task in NIAH_TASKS:
+        for index in range(NIAH_SAMPLES):
+            smp = make_sample(task, tok, 4096, index=index, chat_template=True)
+            out.append((f"{task}-4k-{index}", smp.prompt, lambda text, smp=smp: score_sample(smp, text)))
+    return out
+
+
+def main_tasks() -> None:
+    """Full attention and IceCache's default config on `task_prompts`."""
+    model, tok = icecache.load_model()
+    configs = {"full": None, "mdci-256": IceCacheConfig()}
+    out = {"command": "python tests/serving/make_reference.py --tasks (icecache main venv, transformers "
+                      f"{__import__('transformers').__version__}, fp32)", "new_tokens": TASK_NEW_TOKENS,
+           "configs": {"mdci-256": {k: getattr(IceCacheConfig(), k) for k in ("budget", "sink", "window", "page_size", "index")}},
+           "prompts": []}
+    for name, text, scorer in task_prompts(tok):
+        t0 = time.perf_counter()
+        rec = {"name": name, "prompt_token_ids": tok(text)["input_ids"], "outputs": {}, "scores": {}}
+        for cname, cfg in configs.items():
+            res = icecache.generate(model, tok, text, config=cfg, max_new_tokens=TASK_NEW_TOKENS, chat=False, return_result=True)
+            rec["outputs"][cname] = res.token_ids
+            rec["scores"][cname] = scorer(tok.decode(res.token_ids, skip_special_tokens=True))
+        print(name, len(rec["prompt_token_ids"]), "tokens", f"{time.perf_counter() - t0:.1f}s", rec["scores"], file=sys.stderr)
+        out["prompts"].append(rec)
+    TASKS_OUT.write_text(json.dumps(out) + "\n")
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    if sys.argv[1:] == ["--tasks"]:
+        main_tasks()
+    else:
+        main(sys.argv[1:])

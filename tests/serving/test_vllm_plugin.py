@@ -37,13 +37,14 @@ NEW = REFERENCE["new_tokens"]
 
 
 def run_vllm(tmp: Path, *, plugin: bool, additional_config: dict | None, prompts: list, max_tokens: int = NEW,
-             expect_fail: bool = False) -> dict:
+             expect_fail: bool = False, **request: object) -> dict:
     """Generate greedily in a fresh vLLM process; returns vllm_gen.py's output (or ``{"log": ...}`` when it
     failed as expected)."""
     from icecache.serving.model_dir import vllm_model_dir
 
     tmp.mkdir(parents=True, exist_ok=True)
-    req = {"model": str(vllm_model_dir()), "additional_config": additional_config, "prompts": prompts, "max_tokens": max_tokens}
+    req = {"model": str(vllm_model_dir()), "additional_config": additional_config, "prompts": prompts, "max_tokens": max_tokens,
+           **request}
     (tmp / "req.json").write_text(json.dumps(req))
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="2",
                VLLM_PLUGINS="icecache" if plugin else "none")
@@ -61,6 +62,42 @@ def run_vllm(tmp: Path, *, plugin: bool, additional_config: dict | None, prompts
 
 
 ICE_256 = {"icecache": REFERENCE["configs"]["exact-256"]}
+#: engine RSS growth allowed over 200 requests after warm-up (allocator noise). One leaked request's exact pagers
+#: at ~600 tokens hold ~11 MiB (28 sparse layers x 3 KV heads x ~530 keys x 64 x 4 B), so three leaks exceed it.
+RSS_SLACK_MIB = 32
+
+
+def test_request_state_lives_as_long_as_vllms_request_object():
+    """The lifecycle without an engine: a state goes when vLLM's per-request object goes (finish, abort), a
+    finalizer of an earlier object with the same request id leaves a newer state alone, and `keep_only` frees
+    the states of requests outside a set."""
+    import gc
+
+    import torch
+
+    from icecache.serving.vllm_backend import RequestStates
+
+    class Owner:  # stands for vLLM's CachedRequestState
+        pass
+
+    states = RequestStates()
+    first = Owner()
+    st1 = states.for_row("r", torch.arange(8), 40, 16, owner=first)
+    assert states.for_row("r", torch.arange(8), 41, 16, owner=first) is st1  # same blocks: same state
+    second = Owner()
+    st2 = states.for_row("r", torch.arange(8) + 100, 40, 16, owner=second)  # other blocks: rebuilt
+    assert st2 is not st1
+    del first
+    gc.collect()
+    assert states.states == {"r": st2}  # the old object's finalizer leaves the new state
+    del second
+    gc.collect()
+    assert states.states == {}
+    keep = Owner()
+    states.for_row("a", torch.arange(8), 40, 16, owner=keep)
+    states.for_row("b", torch.arange(8), 40, 16, owner=keep)
+    states.keep_only({"a"}, "finished")
+    assert list(states.states) == ["a"] and states.bytes_held() == 0
 
 
 @pytest.fixture(scope="module")
@@ -145,6 +182,44 @@ def test_mdci_sparse_decode_matches_hf_runtime(ice_mdci):
     assert all(r[1] == NEW for r in rows), rows
 
 
+@pytest.fixture(scope="module")
+def tasks_reference():
+    """`make_reference.py --tasks`: the HF runtime on the 4k passkey and RULER NIAH prompts."""
+    return json.loads((HERE / "data" / "hf_tasks_reference.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def ice_tasks(tmp_path_factory, tasks_reference):
+    cfg = {"icecache": tasks_reference["configs"]["mdci-256"]}
+    return run_vllm(tmp_path_factory.mktemp("tasks"), plugin=True, additional_config=cfg,
+                    prompts=[p["prompt_token_ids"] for p in tasks_reference["prompts"]], max_tokens=tasks_reference["new_tokens"])
+
+
+def test_passkey_and_ruler_niah_at_4k_answer_as_hf_runtime(ice_tasks, tasks_reference):
+    """IceCache's default config (M-DCI, budget 256) on the 4k passkey prompts (5 depths) and 2 samples of each
+    RULER NIAH task at 4k: the plugin's greedy tokens are the HF runtime's, so every answer and score is."""
+    rows = [(rec["name"], _matching_prefix(ids, rec["outputs"]["mdci-256"]), len(rec["outputs"]["mdci-256"]),
+             rec["scores"]["mdci-256"], rec["scores"]["full"])
+            for rec, ids in zip(tasks_reference["prompts"], ice_tasks["token_ids"])]
+    print("(prompt, plugin tokens = HF IceCache tokens, of, HF IceCache score, HF full score):", rows)
+    assert ice_tasks["log"].count("decodes sparse from context") >= len(rows)
+    assert all(r[1] == r[2] for r in rows), [r for r in rows if r[1] != r[2]]
+
+
+def test_preempted_requests_are_freed_and_rebuilt(tmp_path):
+    """A KV cache of 40 blocks of 128 tokens for 3 requests that grow to 14 blocks each: vLLM preempts one while
+    the others decode. Its pagers are freed when it leaves the batch and rebuilt when it comes back, and every
+    answer equals the same request generated alone."""
+    prompts = [_essay_ids(1200, 311 * i) for i in range(3)]
+    out = run_vllm(tmp_path, plugin=True, additional_config=ICE_256, prompts=prompts, max_tokens=500, alone=True, ignore_eos=True,
+                   max_model_len=4096, engine_args={"num_gpu_blocks_override": 40})
+    log = out["log"]
+    assert "(preempted)" in log, "no request was preempted: the test no longer exercises preemption"
+    assert "rebuilt" in log or log.count("decodes sparse from context") > 3 + 3
+    assert out["token_ids"] == out["alone_token_ids"]
+    assert all(len(t) == 500 for t in out["token_ids"])
+
+
 @pytest.mark.parametrize("bad, message", [
     ({"budget": -1}, "IceCacheConfig.budget must be in [0, 16777216], got -1"),
     ({"budgte": 256}, 'additional_config["icecache"] has unknown or unsupported key(s) budgte'),
@@ -178,6 +253,7 @@ def server(tmp_path_factory):
            "--additional-config", json.dumps(ICE_256)]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=tmp, env=env, stdout=log, stderr=subprocess.STDOUT)
+    log_path.with_suffix(".pid").write_text(str(proc.pid))
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 600
@@ -200,15 +276,26 @@ def server(tmp_path_factory):
             proc.kill()
 
 
+def _client(url: str, timeout: float = 900):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=timeout)
+    return client, client.models.list().data[0].id
+
+
+def _complete(client, model: str, prompt, max_tokens: int = NEW) -> list[int]:
+    """Greedy completion through the server; the generated token ids."""
+    r = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                  extra_body={"return_token_ids": True})
+    return list(r.choices[0].token_ids)
+
+
 def test_server_matches_offline(server, ice):
     """8 concurrent OpenAI clients (short and ~3.6k-token prompts) get the offline plugin's text."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from openai import OpenAI
-
     url, log_path = server
-    client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
-    model = client.models.list().data[0].id
+    client, model = _client(url)
     prompts = SHORT[:6] + LONG
     expected = ice["texts"][:6] + ice["texts"][len(SHORT):]
 
@@ -221,11 +308,120 @@ def test_server_matches_offline(server, ice):
     assert "decodes sparse from context" in log_path.read_text()
 
 
+def test_server_short_prompts_equal_stock(server, stock):
+    """Exactness through the server: the 8 short prompts (context within sink + window + budget) give stock
+    vLLM's tokens."""
+    url, _ = server
+    client, model = _client(url)
+    assert [_complete(client, model, p) for p in SHORT] == stock["token_ids"][: len(SHORT)]
+
+
+def _essay_ids(n_tokens: int, start: int) -> list[int]:
+    """``n_tokens`` token ids of RULER's essay text from token ``start`` (the server's tokenizer)."""
+    from transformers import AutoTokenizer
+
+    from icecache.eval.ruler.haystack import essay_sentences
+    from icecache.serving.model_dir import vllm_model_dir
+
+    tok = AutoTokenizer.from_pretrained(str(vllm_model_dir()))
+    ids = tok(" ".join(essay_sentences(12000)), add_special_tokens=False)["input_ids"]
+    assert len(ids) >= start + n_tokens
+    return ids[start : start + n_tokens]
+
+
+MIXED_LENGTHS = (1024, 7168, 2048, 6144, 3072, 5120, 4096, 1536)
+
+
+def test_concurrent_mixed_lengths_equal_alone(server):
+    """8 concurrent clients, prompts of 1k-7k tokens (all decode sparse), continuous batching: every answer
+    equals the same request served alone afterwards."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    url, log_path = server
+    client, model = _client(url)
+    prompts = [_essay_ids(n, 97 * i) for i, n in enumerate(MIXED_LENGTHS)]
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(lambda p: _complete(client, model, p), prompts))
+    alone = [_complete(client, model, p) for p in prompts]
+    assert together == alone
+    assert all(len(t) == NEW for t in together)
+    log = log_path.read_text()
+    assert all(f"decodes sparse from context {n + 1}" in log for n in MIXED_LENGTHS), "a prompt did not decode sparse"
+
+
+def _engine_rss_mib(server_pid: int) -> float:
+    """Resident memory of the server's child processes (vLLM's engine core runs the worker and the plugin)."""
+    import psutil
+
+    return sum(c.memory_info().rss for c in psutil.Process(server_pid).children(recursive=True)) / 2**20
+
+
+def _held_after_idle(log_path: Path, timeout: float = 60) -> tuple[int, int]:
+    """(live requests, index bytes) of the plugin's last free line, once the log has been quiet for 3 s."""
+    import re
+    import time
+
+    deadline = time.monotonic() + timeout
+    last, quiet_since = None, time.monotonic()
+    while time.monotonic() < deadline:
+        found = re.findall(r"icecache: freed the pagers of request \S+ \([^)]*\); (\d+) live, (\d+) index bytes held",
+                           log_path.read_text())
+        now = found[-1] if found else None
+        if now != last:
+            last, quiet_since = now, time.monotonic()
+        elif now is not None and time.monotonic() - quiet_since > 3:
+            return int(now[0]), int(now[1])
+        time.sleep(0.5)
+    raise AssertionError(f"no settled free line in the server log after {timeout} s (last: {last})")
+
+
+def _burst(url: str, prefix: list[int], first: int, count: int, aborted: set[int]) -> int:
+    """``count`` requests from 8 client threads: request ``i`` is ``prefix`` + its own tokens; those in
+    ``aborted`` stream and close the connection after 2 chunks. Returns how many were aborted mid-stream."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    client, model = _client(url)
+
+    def one(i: int) -> bool:
+        prompt = prefix + [28 + (i * 7919 + j * 104729) % 4000 for j in range(12)]
+        if i not in aborted:
+            assert len(_complete(client, model, prompt, max_tokens=8)) == 8
+            return False
+        stream = client.completions.create(model=model, prompt=prompt, max_tokens=64, temperature=0, stream=True)
+        for n, _ in enumerate(stream):
+            if n == 1:
+                break
+        stream.close()
+        return True
+
+    with ThreadPoolExecutor(8) as pool:
+        return sum(pool.map(one, range(first, first + count)))
+
+
+def test_200_requests_with_aborts_free_every_pager(server):
+    """200 requests (20 aborted mid-stream) over ~600-token prompts that all decode sparse: afterwards the
+    plugin holds no request state and no index bytes, and the engine's resident memory is back at its
+    baseline (measured after a warm-up burst of the same kind)."""
+    url, log_path = server
+    proc_pid = int(log_path.with_suffix(".pid").read_text())
+    prefix = _essay_ids(600, 5000)
+    _burst(url, prefix, 0, 24, {3, 11})
+    assert _held_after_idle(log_path) == (0, 0)
+    base = _engine_rss_mib(proc_pid)
+    aborted = set(range(1000 + 5, 1200, 10))
+    n_aborted = _burst(url, prefix, 1000, 200, aborted)
+    assert n_aborted == 20
+    live, held = _held_after_idle(log_path)
+    after = _engine_rss_mib(proc_pid)
+    print(f"engine RSS {base:.0f} MiB after warm-up, {after:.0f} MiB after 200 requests; plugin: {live} live, {held} bytes")
+    assert (live, held) == (0, 0)
+    assert after - base < RSS_SLACK_MIB, (base, after)
+
+
 def test_server_rejects_prompt_over_context(server):
-    from openai import BadRequestError, OpenAI
+    from openai import BadRequestError
 
     url, _ = server
-    client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
-    model = client.models.list().data[0].id
+    client, model = _client(url, timeout=120)
     with pytest.raises(BadRequestError, match="context length|maximum"):
         client.completions.create(model=model, prompt=[504] * 9000, max_tokens=4, temperature=0)

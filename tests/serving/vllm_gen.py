@@ -3,7 +3,9 @@
     python tests/serving/vllm_gen.py REQUEST.json OUT.json
 
 REQUEST: ``{"model": dir, "additional_config": {...} | null, "prompts": [str | [token ids]], "max_tokens": n,
-"max_model_len": n}``. OUT: ``{"token_ids": [[...], ...], "texts": [...], "init_s": s, "generate_s": s}``.
+"max_model_len": n, "engine_args": {...}, "alone": bool, "ignore_eos": bool}``. OUT: ``{"token_ids": [[...], ...], "texts": [...],
+"init_s": s, "generate_s": s}``, plus ``"alone_token_ids"`` when ``alone``: each prompt generated again by itself
+after the batch.
 Run it from a directory without an ``icecache/`` folder, or the checkout shadows the installed plugin.
 """
 
@@ -20,14 +22,18 @@ def main(req_path: str, out_path: str) -> None:
     req = json.loads(open(req_path).read())
     t0 = time.perf_counter()
     kwargs = {"additional_config": req["additional_config"]} if req.get("additional_config") is not None else {}
+    kwargs.update(req.get("engine_args", {}))
     llm = LLM(model=req["model"], dtype="float32", max_model_len=req.get("max_model_len", 8192), enforce_eager=True,
               seed=0, **kwargs)
     t1 = time.perf_counter()
     prompts = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in req["prompts"]]
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=req["max_tokens"]), use_tqdm=False)
+    params = SamplingParams(temperature=0, max_tokens=req["max_tokens"], ignore_eos=req.get("ignore_eos", False))
+    outs = llm.generate(prompts, params, use_tqdm=False)
     t2 = time.perf_counter()
     res = {"token_ids": [list(o.outputs[0].token_ids) for o in outs], "texts": [o.outputs[0].text for o in outs],
            "init_s": round(t1 - t0, 1), "generate_s": round(t2 - t1, 2)}
+    if req.get("alone"):
+        res["alone_token_ids"] = [list(llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids) for p in prompts]
     open(out_path, "w").write(json.dumps(res))
 
 
