@@ -21,7 +21,8 @@ values, rounded only when printed. Reads (paths under ``experiments/``):
   ``drift_vs_sim.json``, resp. ``drift_vs_sim_decode.json``), ``reliability/drift_bg_repeats.{json,md}`` (the
   plain soaks' spread, the +10% target), ``reliability/soak_tiny/soak.json``,
   ``reliability/soak_hnsw_{trim,pinned}/soak.json``, ``reliability.md`` (the pin's build times);
-- ``longctx/gemma_tpot_memory.csv``.
+- ``longctx/gemma_tpot_memory.csv``;
+- ``serving/speed_2026-12-02/speed.json`` (the vLLM plugin against vLLM's dense CPU backend and the HF runtime).
 
     python experiments/results.py           # rewrite README.md's blocks in place (make results)
     python experiments/results.py --check   # exit 1 with a one-line summary if README.md's blocks differ
@@ -356,8 +357,31 @@ def row_reliability() -> tuple[str, str, str]:
     return ("reliability", link("experiments/reliability/README.md", full=True), head)
 
 
+SERVING_RUN = "serving/speed_2026-12-02"
+
+
+def row_serving() -> tuple[str, str, str]:
+    """The vLLM plugin's decode speed against vLLM's dense CPU backend (same run), and the HF runtime at batch 1."""
+    res = read_json(EXP / SERVING_RUN / "speed.json")
+    tpot = {(r["engine"], r["context"], r["batch"]): r["tpot_ms"] for r in res["rows"]}
+    cells = []
+    for context, batch in sorted({(c, b) for _, c, b in tpot}, key=lambda cb: (cb[1], cb[0])):
+        dense = tpot[("dense", context, batch)]
+        ours = ", ".join(f"{e.split()[-1]} {tpot[(e, context, batch)]:.0f} ms ({times(tpot[(e, context, batch)] / dense)})"
+                         for e, c, b in tpot if (c, b) == (context, batch) and e != "dense")
+        cells.append(f"{klabel(context)} x {batch}: dense {dense:.0f} ms, {ours}")
+    hf = res.get("hf_runtime_step_ms", {})
+    hf_cells = [f"{klabel(int(c))}: full {v['full']:.0f}, exact@256 {v['exact@256']:.0f}, mdci@256 {v['mdci@256']:.0f} ms"
+                for c, v in sorted(hf.items(), key=lambda kv: int(kv[0]))]
+    head = (f"TPOT, vLLM plugin vs vLLM's dense CPU backend, one interleaved run ({link(f'experiments/{SERVING_RUN}/')}): "
+            + "; ".join(cells) + (f"; icecache's HF runtime, batch 1 ({res['hf_threads']} thread): " + "; ".join(hf_cells) if hf_cells else "")
+            + "; correctness (token-for-token vs stock vLLM and the HF runtime, concurrency, aborts, preemption): `make test-serve`")
+    return ("serving with vLLM (CPU)", link("docs/serving.md", full=True), head)
+
+
 def results_table() -> str:
-    rows = [row_accuracy(), row_ruler(), row_index(), row_backends(), row_decode(), row_sim(), row_reliability()]
+    rows = [row_accuracy(), row_ruler(), row_index(), row_backends(), row_decode(), row_sim(), row_reliability(),
+            row_serving()]
     lines = ["| what | where | headline |", "|---|---|---|"]
     lines += [f"| {w} | {where} | {h} |" for w, where, h in rows]
     return "\n".join(lines)

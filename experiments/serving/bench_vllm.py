@@ -16,6 +16,8 @@ Per request, vLLM's own metrics give the engine-core times of its first and last
 d(n) = last - first. The steady step time is TPOT = (d(long) - d(short)) / (long - short), which cancels
 the first decode step's extra work (the plugin builds its pagers there) and the prefill; that extra work is
 reported as ``first_step_extra_s`` = d(short) - (short - 1) * TPOT. Decode throughput = batch / TPOT.
+Where the plugin's time goes: save the run's output and ``--stages LOG`` writes OUT/stages.md from the plugin's
+per-request log lines.
 
 At batch 1 the same row is also timed in icecache's HF runtime (main venv, ``experiments/tpot_interleaved.py``:
 full attention and the same two configs, interleaved blocks of decode steps) in a subprocess, with the same
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -85,9 +88,36 @@ def hf_row(context: int, threads: int, reps: int) -> dict:
     return {name: round(v["median_step_ms"], 1) for name, v in res["variants"].items()}
 
 
+STAGE_LINE = re.compile(r"\(Worker pid=(\d+)\).*freed the pagers of request (\S+) \(\w+\).*it took (\d+) layer-steps: "
+                        r"build ([\d.]+) s, insert ([\d.]+) s, select ([\d.]+) s, gather ([\d.]+) s, attend ([\d.]+) s")
+
+
+def stage_table(log: str) -> str:
+    """Where the plugin's sparse decode time goes, from the engines' log lines (`RequestState.stage_summary`):
+    per engine and context, ms per decode step (28 sparse layers) of each stage, and the build per request."""
+    index = dict(re.findall(r"\(Worker pid=(\d+)\).*icecache: sparse decode on: .*index='(\w+)'", log))
+    context = {rid: int(n) for rid, n in re.findall(r"request (\S+) decodes sparse from context (\d+)", log)}
+    acc: dict[tuple[str, str], list[float]] = {}
+    for m in STAGE_LINE.finditer(log):
+        pid, rid = m.group(1), m.group(2)
+        key = (index.get(pid, pid), "4k" if context[rid] < 6000 else "8k")
+        a = acc.setdefault(key, [0.0] * 7)
+        a[0] += 1
+        a[1] += int(m.group(3))
+        for i in range(5):
+            a[2 + i] += float(m.group(4 + i))
+    lines = ["| pager | context | requests | insert ms/step | select ms/step | gather ms/step | attend ms/step | build s/request |",
+             "|---|---|---|---|---|---|---|---|"]
+    for (pager, ctx), a in sorted(acc.items()):
+        per_step = [1e3 * a[2 + i] / a[1] * 28 for i in (1, 2, 3, 4)]
+        lines.append(f"| {pager} | {ctx} | {int(a[0])} | " + " | ".join(f"{x:.1f}" for x in per_step) + f" | {a[2] / a[0]:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="directory for speed.json and speed.md")
+    ap.add_argument("--stages", metavar="LOG", help="only write OUT/stages.md from a saved log of a run (its stdout)")
     ap.add_argument("--short", type=int, default=8)
     ap.add_argument("--long", type=int, default=40)
     ap.add_argument("--reps", type=int, default=2)
@@ -99,6 +129,10 @@ def main() -> int:
     args = ap.parse_args()
     out_dir = Path(args.out).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
+    if args.stages:
+        (out_dir / "stages.md").write_text(stage_table(Path(args.stages).read_text(errors="replace")))
+        print((out_dir / "stages.md").read_text())
+        return 0
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_space_gib)
     scratch = Path(os.environ.get("TMPDIR", "/tmp")) / "bench_vllm_cwd"
     scratch.mkdir(exist_ok=True)
