@@ -425,3 +425,4 @@ def test_server_rejects_prompt_over_context(server):
     client, model = _client(url, timeout=120)
     with pytest.raises(BadRequestError, match="context length|maximum"):
         client.completions.create(model=model, prompt=[504] * 9000, max_tokens=4, temperature=0)
+    assert len(_complete(client, model, SHORT[0], max_tokens=4)) == 4  # the server survives it
