@@ -59,6 +59,8 @@ def test_a_real_measurement_is_consistent():
     r = measure_crossover(16, 4, 32, 8, grid=(256, 2048), calls=3)
     assert len(r["exact_s"]) == len(r["mdci_s"]) == 2 and min(r["exact_s"] + r["mdci_s"]) > 0
     assert r["crossover_keys"] == crossover_from_times(r["grid"], r["exact_s"], r["mdci_s"])
+    for part in ("select_s", "insert_s"):  # a step is one select and one insert per pager, both timed
+        assert sorted(r[part]) == ["exact", "mdci"] and all(len(v) == 2 and min(v) > 0 for v in r[part].values())
 
 
 def _decode(model, cfg: IceCacheConfig, ids: torch.Tensor, steps: int) -> tuple[list[int], IceCache]:

@@ -3,8 +3,12 @@
 Below some size, scoring every key (``exact``: one q.K product and a top-k) is both faster and more accurate
 than searching an index; above it M-DCI's select, which touches a fraction of the keys, wins. Where the two
 meet depends on the machine (memory bandwidth, BLAS, cores), so the crossover is measured, not assumed:
-`measure_crossover` times both pagers' ``select_arrays`` on Gaussian keys at a grid of sizes for the model's
-head width, GQA group and budget, and `crossover_from_times` finds where M-DCI becomes the faster one. Each
+`measure_crossover` times what each pager costs per decode step and (layer, KV head), one ``select_arrays``
+plus the one-token ``insert`` of the token leaving the window, on Gaussian keys at a grid of sizes for the
+model's head width, GQA group and budget, and `crossover_from_times` finds where M-DCI becomes the cheaper one.
+The insert counts because M-DCI's is far dearer than the exact scorer's row copy (SmolLM2 at 8k: the two
+selects cost about the same inside a decode step, yet M-DCI's steps were 9-10% slower: its inserts run on the
+index worker beside the model, on the same two cores). Each
 timed select starts from cold caches (a buffer twice the last-level cache is read first), as in a decode step,
 where the selects of 84+ (layer, KV head) pairs and the model's weights pass through the caches between two
 selects of one head: timed hot, exact's streaming scan looked slower against M-DCI's scattered reads than it
@@ -102,10 +106,13 @@ def crossover_from_times(grid: Sequence[int], exact_s: Sequence[float], mdci_s: 
 def measure_crossover(head_dim: int, group: int, budget: int, page_size: int, *, grid: Sequence[int] = DEFAULT_GRID,
                       calls: int = 30, seed: int = 0, cold: bool = True,
                       progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Time ``exact`` and ``mdci`` selects (median of ``calls``, one thread) on Gaussian keys ``[n, head_dim]``
-    for each ``n`` of ``grid`` with ``group`` queries and ``budget`` tokens; ``cold``: each from cold caches
-    (`EVICT_BYTES` read first, not timed). Returns ``{"crossover_keys", "grid", "exact_s", "mdci_s", "calls",
-    "cold", "seconds"}``."""
+    """Time what one decode step costs each pager per (layer, KV head): one ``select_arrays`` (``group``
+    queries, ``budget`` tokens) plus the one-token ``insert`` of the token leaving the window. Gaussian keys
+    ``[n, head_dim]`` for each ``n`` of ``grid``; one thread; median of ``calls``; the two pagers' calls
+    alternate so that the machine's drift hits both alike; ``cold``: each timed call starts from cold caches
+    (`EVICT_BYTES` read first, not timed). Returns ``{"crossover_keys", "grid", "exact_s", "mdci_s"`` (select +
+    insert per step) ``, "select_s", "insert_s"`` (per pager: the medians of each part) ``, "calls", "cold",
+    "seconds"}``."""
     from icecache.indexes.registry import make_pager
 
     rng = np.random.default_rng(seed)
@@ -113,29 +120,44 @@ def measure_crossover(head_dim: int, group: int, budget: int, page_size: int, *,
     torch.set_num_threads(1)  # the runtime selects on one thread
     t_start = time.perf_counter()
     evict = np.ones(EVICT_BYTES // 8) if cold else None
-    times: dict[str, list[float]] = {name: [] for name in CHOICES}
+
+    def timed(fn: Callable[..., Any], *args: Any) -> float:
+        if evict is not None:
+            evict.sum()
+        t0 = time.perf_counter()
+        fn(*args, check=False)
+        return time.perf_counter() - t0
+
+    step: dict[str, list[float]] = {name: [] for name in CHOICES}
+    parts: dict[str, dict[str, list[float]]] = {name: {"select": [], "insert": []} for name in CHOICES}
     try:
         for n in grid:
             if progress is not None:
                 progress(f"{n:,} keys")
             keys = torch.from_numpy(rng.standard_normal((n, head_dim), dtype=np.float32))
             queries = [torch.from_numpy(rng.standard_normal((group, head_dim), dtype=np.float32)) for _ in range(calls)]
-            for name in CHOICES:
-                pager = make_pager(name, head_dim=head_dim, page_size=page_size, seed=seed)
+            new_keys = torch.from_numpy(rng.standard_normal((calls + 1, 1, head_dim), dtype=np.float32))
+            pagers = {name: make_pager(name, head_dim=head_dim, page_size=page_size, seed=seed) for name in CHOICES}
+            for pager in pagers.values():
                 pager.build(keys)
                 pager.select_arrays(queries[0], budget, check=False)  # warm-up
-                per_call = []
-                for q in queries:
-                    if cold:
-                        evict.sum()
-                    t0 = time.perf_counter()
-                    pager.select_arrays(q, budget, check=False)
-                    per_call.append(time.perf_counter() - t0)
-                times[name].append(statistics.median(per_call))
+                pager.insert(new_keys[calls], check=False)
+            calls_s: dict[str, dict[str, list[float]]] = {name: {"select": [], "insert": []} for name in CHOICES}
+            for i, q in enumerate(queries):
+                for name, pager in pagers.items():
+                    calls_s[name]["select"].append(timed(pager.select_arrays, q, budget))
+                    calls_s[name]["insert"].append(timed(pager.insert, new_keys[i]))
+            for name in CHOICES:
+                sel, ins = calls_s[name]["select"], calls_s[name]["insert"]
+                step[name].append(statistics.median(a + b for a, b in zip(sel, ins)))
+                parts[name]["select"].append(statistics.median(sel))
+                parts[name]["insert"].append(statistics.median(ins))
     finally:
         torch.set_num_threads(threads)
     return {
-        "crossover_keys": crossover_from_times(grid, times["exact"], times["mdci"]),
-        "grid": list(grid), "exact_s": times["exact"], "mdci_s": times["mdci"], "calls": calls, "cold": cold,
-        "seconds": round(time.perf_counter() - t_start, 2),
+        "crossover_keys": crossover_from_times(grid, step["exact"], step["mdci"]),
+        "grid": list(grid), "exact_s": step["exact"], "mdci_s": step["mdci"],
+        "select_s": {name: parts[name]["select"] for name in CHOICES},
+        "insert_s": {name: parts[name]["insert"] for name in CHOICES},
+        "calls": calls, "cold": cold, "seconds": round(time.perf_counter() - t_start, 2),
     }

@@ -21,9 +21,10 @@ from icecache.indexes.auto import measure_crossover
 
 FILENAME = "auto_index.json"
 #: Bumped when a pager's select code or the measurement changes (2: the exact scorer became one compiled call;
-#: 3: selects timed from cold caches; 4: the exact scorer finds its k-th score from a sampled threshold), so a
-#: stored crossover measured on older code is measured again.
-SELECT_CODE = 4
+#: 3: selects timed from cold caches; 4: the exact scorer finds its k-th score from a sampled threshold; 5: each
+#: pager's one-token insert is timed with its select, the two pagers alternating), so a stored crossover measured
+#: on older code is measured again.
+SELECT_CODE = 5
 
 
 def crossover_path() -> Path:
@@ -53,7 +54,7 @@ def machine_crossover(head_dim: int, group: int, budget: int, page_size: int) ->
     entry = read_entries(path).get(key)
     if isinstance(entry, dict) and isinstance(entry.get("crossover_keys"), int):
         return entry["crossover_keys"]
-    print(f"icecache: index='auto' measures exact vs mdci select on this machine once ({key}); "
+    print(f"icecache: index='auto' measures exact vs mdci select + insert on this machine once ({key}); "
           f"stored in {path}", file=sys.stderr, flush=True)
     entry = measure_crossover(head_dim, group, budget, page_size)
     entries = read_entries(path)
