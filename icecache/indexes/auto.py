@@ -9,7 +9,8 @@ model's head width, GQA group and budget, and `crossover_from_times` finds where
 The insert counts because M-DCI's is far dearer than the exact scorer's row copy (SmolLM2 at 8k: the two
 selects cost about the same inside a decode step, yet M-DCI's steps were 9-10% slower: its inserts run on the
 index worker beside the model, on the same two cores). Each
-timed select starts from cold caches (a buffer twice the last-level cache is read first), as in a decode step,
+timed call starts from cold caches (`EVICT_BYTES` read first; this VM reports a 480 MiB L3 shared with its host,
+so 'cold' means out of the core's own caches at least), as in a decode step,
 where the selects of 84+ (layer, KV head) pairs and the model's weights pass through the caches between two
 selects of one head: timed hot, exact's streaming scan looked slower against M-DCI's scattered reads than it
 is in the step (SmolLM2 at 8k: hot crossover 3,050 keys, yet exact was the faster pager in the step).
