@@ -55,6 +55,14 @@ def test_auto_params_are_checked():
         IceCache(model.config, IceCacheConfig(index="auto"), pager_factory=lambda *a: None)
 
 
+def test_nearly_equal_ratios_extrapolate_to_the_cap_without_overflow():
+    """Two outer ratios a hair apart put the extrapolated root at e^(10^13): capped, not an OverflowError (a
+    fresh-clone `make test` once hit it through a real 3-call measurement)."""
+    grid = (256, 2048)
+    assert crossover_from_times(grid, [1.0, 1.0], [2.0, 2.0 * (1 - 1e-12)]) == MAX_CROSSOVER
+    assert crossover_from_times(grid, [1.0, 1.0], [0.5, 0.5 * (1 - 1e-12)]) == 0
+
+
 def test_a_real_measurement_is_consistent():
     r = measure_crossover(16, 4, 32, 8, grid=(256, 2048), calls=3)
     assert len(r["exact_s"]) == len(r["mdci_s"]) == 2 and min(r["exact_s"] + r["mdci_s"]) > 0

@@ -92,7 +92,7 @@ def crossover_from_times(grid: Sequence[int], exact_s: Sequence[float], mdci_s: 
         if r[i] == r[j]:
             return math.inf if r[i] > 0 else 0.0
         t = x[i] + (0.0 - r[i]) * (x[j] - x[i]) / (r[j] - r[i])
-        return math.exp(t)
+        return math.exp(min(t, 700.0))  # nearly equal ratios extrapolate far: e^700 is finite, capped below
 
     if r[0] <= 0:  # M-DCI already faster at the smallest size
         n = root(0, 1) if r[1] < r[0] else 0.0
