@@ -29,6 +29,7 @@ TASK_FLAGS: dict[str, tuple[str, tuple[str, ...], Any]] = {
     "ray": ("--ray", ("ruler",), False),
     "data_seed": ("--data-seed", ("ruler",), None),
     "no_chat_template": ("--no-chat-template", ("ruler",), False),
+    "diagnose": ("--diagnose", ("ruler",), None),
 }
 DEFAULT_DECODE_TOKENS = 256
 
@@ -65,6 +66,8 @@ def add_eval_arguments(ev: argparse.ArgumentParser) -> None:
                       help="ruler: kvpress presses as extra rows at each budget (snapkv, streaming, expected_attention, knorm)")
     task.add_argument("--ray", action="store_true", help="ruler: shard the samples as Ray tasks (also when RAY_ADDRESS is set)")
     task.add_argument("--data-seed", type=int, default=None, help="ruler: seed of the generated samples (default 42, RULER's)")
+    task.add_argument("--diagnose", default=None, metavar="METHOD@BUDGET,...",
+                      help="ruler: classify the samples these rows of the --out run lost (model, budget, page or search miss)")
     task.add_argument("--no-chat-template", action="store_true",
                       help="ruler: plain prompts even when the tokenizer has a chat template")
 

@@ -107,6 +107,10 @@ def run_command(args: argparse.Namespace, config: Any) -> int:
     from icecache.eval.ruler import TASKS
     from icecache.eval.ruler.runner import PredictionLog
 
+    if args.diagnose:
+        from icecache.eval.ruler.diagnosis_command import run_diagnose
+
+        return run_diagnose(args)
     if not args.out:
         raise ConfigError("eval ruler needs --out DIR (predictions are appended there, and a re-run resumes)")
     spec = spec_from_args(args, config)

@@ -20,6 +20,7 @@ For a sample a method scored below 1:
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -131,9 +132,11 @@ def classify(full_score: float, oracle_score: float, replayed: Replay | None, ma
 
 
 def diagnose_losses(model: Any, tokenizer: Any, records: list[dict[str, Any]], method: str, budget: str, *,
-                    seed: int, config: Any, chat_template: bool, progress: bool = True) -> list[dict[str, Any]]:
+                    seed: int, config: Any, chat_template: bool, progress: bool = True,
+                    done: set[tuple] | None = None, on_row: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
     """Classify every sample ``method@budget`` lost in ``records`` (one run's predictions). Returns one row
-    per lost sample: its key, the class and, for search/page misses, the replay's recalls."""
+    per lost sample: its key, the class and, for search/page misses, the replay's recalls. Samples whose
+    `row_key` is in ``done`` are skipped; ``on_row`` sees each row as it is classified (to append it)."""
     from tqdm.auto import tqdm
 
     from icecache.eval.harness import clone_kv, decode_greedy, run_prefill
@@ -143,6 +146,7 @@ def diagnose_losses(model: Any, tokenizer: Any, records: list[dict[str, Any]], m
     index = {(r["task"], r["length"], r["index"], r["method"], str(r["budget"])): r for r in records}
     lost = [r for r in records if r["method"] == method and str(r["budget"]) == budget and r["score"] < 1.0]
     rows = []
+    lost = [r for r in lost if row_key(r) not in (done or set())]
     for r in tqdm(lost, desc=f"diagnose {method}@{budget}", disable=not progress):
         key = (r["task"], r["length"], r["index"])
         full = index.get((*key, "full", "-"))
@@ -169,7 +173,14 @@ def diagnose_losses(model: Any, tokenizer: Any, records: list[dict[str, Any]], m
                        oracle_recall=replayed.oracle_recall, steps=replayed.steps)
         row["class"] = classify(full["score"], oracle["score"], replayed)
         rows.append(row)
+        if on_row is not None:
+            on_row(row)
     return rows
+
+
+def row_key(record: dict[str, Any]) -> tuple[str, ...]:
+    """(task, length, index, method, budget) of a prediction or diagnosis row, as strings."""
+    return tuple(str(record[k]) for k in ("task", "length", "index", "method", "budget"))
 
 
 def class_counts(rows: list[dict[str, Any]]) -> dict[str, int]:

@@ -1,0 +1,119 @@
+"""``icecache eval ruler --out DIR --diagnose icecache@256,...``: classify a finished run's lost samples.
+
+Reads ``DIR/run.json`` (the run's model, data seed, chat template and `IceCacheConfig`) and
+``DIR/predictions.jsonl``; replays every sample that a ``method@budget`` lost while full attention and the
+exact oracle answered it (`icecache.eval.ruler.diagnose`). Each classified sample is appended to
+``DIR/diagnosis.jsonl`` as it finishes (a re-run skips them), and ``DIR/diagnosis.md`` holds the class
+counts per length and ``method@budget``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from icecache.core.errors import ConfigError, UnknownNameError
+
+CLASSES = ("model", "budget", "page miss", "search miss")
+
+
+def parse_targets(text: str) -> list[tuple[str, str]]:
+    """``"icecache@256,quest@64"`` -> ``[("icecache", "256"), ("quest", "64")]``; one-line `ConfigError` otherwise."""
+    from icecache.eval.methods import get_method
+
+    out = []
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        method, sep, budget = item.partition("@")
+        if not sep or not budget.isdigit():
+            raise ConfigError(f"--diagnose: expected METHOD@BUDGET like icecache@256, got {item!r}")
+        if method in ("full", "exact"):
+            raise ConfigError(f"--diagnose: {method} is a reference of the classification, not a method to diagnose")
+        try:
+            get_method(method)
+        except UnknownNameError as err:
+            raise ConfigError(f"--diagnose: {err}") from None
+        out.append((method, str(int(budget))))
+    if not out:
+        raise ConfigError("--diagnose: expected METHOD@BUDGET like icecache@256")
+    return out
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Rows of a JSONL file; a line cut by a crash mid-write is skipped (its unit runs again)."""
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def diagnosis_markdown(records: Sequence[dict[str, Any]], rows: Sequence[dict[str, Any]],
+                       targets: Sequence[tuple[str, str]]) -> str:
+    """Class counts per length and target: lost samples, how many were classified, and each class."""
+    lines = ["| length | method@budget | samples | lost | classified | " + " | ".join(CLASSES) + " | search / pages / oracle answer recall (misses) |",
+             "|---|---|---|---|---|" + "---|" * len(CLASSES) + "---|"]
+    for length in sorted({int(r["length"]) for r in records}):
+        for method, budget in targets:
+            mine = [r for r in records if int(r["length"]) == length and r["method"] == method and str(r["budget"]) == budget]
+            if not mine:
+                continue
+            lost = sum(r["score"] < 1.0 for r in mine)
+            done = [d for d in rows if int(d["length"]) == length and d["method"] == method and d["budget"] == budget]
+            counts = Counter(d["class"] for d in done)
+            replays = [d for d in done if "search_recall" in d]
+            recall = (" / ".join(f"{sum(d[k] for d in replays) / len(replays):.2f}" for k in ("search_recall", "pages_recall", "oracle_recall"))
+                      if replays else "-")
+            lines.append(f"| {length} | {method}@{budget} | {len(mine)} | {lost} | {len(done)} | "
+                         + " | ".join(str(counts.get(c, 0)) for c in CLASSES) + f" | {recall} |")
+    return "\n".join(lines) + "\n"
+
+
+def run_diagnose(args: Any) -> int:
+    """Entry point of ``icecache eval ruler --diagnose`` (see the module docstring)."""
+    from icecache.core.config import IceCacheConfig
+    from icecache.eval.ruler.command import MODEL_ALIASES
+    from icecache.eval.ruler.diagnose import diagnose_losses, row_key
+    from icecache.runtime.models import load_model
+
+    if not args.out:
+        raise ConfigError("--diagnose needs --out DIR, the directory of a RULER run")
+    out = Path(args.out)
+    run_file = out / "run.json"
+    if not run_file.exists():
+        raise ConfigError(f"--diagnose: {run_file} not found; --out must be a RULER run's directory")
+    targets = parse_targets(args.diagnose)
+    run = json.loads(run_file.read_text())
+    if args.model and MODEL_ALIASES.get(args.model, args.model) != run["model"]:
+        raise ConfigError(f"--diagnose: the run in {out} used {run['model']}, not {args.model}")
+    records = read_jsonl(out / "predictions.jsonl")
+    if not records:
+        raise ConfigError(f"--diagnose: {out / 'predictions.jsonl'} holds no predictions yet")
+    config = IceCacheConfig(**run["config"])
+    model, tokenizer = load_model(run["model"])
+    chat = run["chat_template"] if run["chat_template"] is not None else bool(getattr(tokenizer, "chat_template", None))
+    diag_path = out / "diagnosis.jsonl"
+    rows = read_jsonl(diag_path)
+
+    def append(row: dict[str, Any]) -> None:
+        with open(diag_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        rows.append(row)
+
+    for method, budget in targets:
+        diagnose_losses(model, tokenizer, records, method, budget, seed=run["seed"], config=config, chat_template=chat,
+                        progress=not args.json, done={row_key(r) for r in rows}, on_row=append)
+    table = diagnosis_markdown(records, rows, targets)
+    tmp = out / "diagnosis.md.tmp"
+    tmp.write_text(f"Loss classes of `{out}` ({len(records)} predictions; `icecache eval ruler --out {out} --diagnose {args.diagnose}`).\n"
+                   "A lost sample that full attention or the exact oracle has not run yet is not classified.\n\n" + table)
+    os.replace(tmp, out / "diagnosis.md")
+    print(table)
+    return 0

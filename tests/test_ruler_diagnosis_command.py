@@ -1,0 +1,87 @@
+"""``eval ruler --diagnose``: target parsing, resumable classification rows, the counts table, one-line errors."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+from conftest import make_tiny_llama
+from test_ruler_runner import CharTokenizer
+
+from icecache import IceCacheConfig
+from icecache.core.errors import ConfigError
+from icecache.eval.ruler.diagnose import diagnose_losses, row_key
+from icecache.eval.ruler.diagnosis_command import diagnosis_markdown, parse_targets, run_diagnose
+
+
+class OffsetCharTokenizer(CharTokenizer):
+    """`CharTokenizer` that also reports each token's character span (BOS spans nothing)."""
+
+    def __call__(self, text, add_special_tokens=True, return_tensors=None, return_offsets_mapping=False):
+        out = super().__call__(text, add_special_tokens=add_special_tokens, return_tensors=return_tensors)
+        if return_offsets_mapping:
+            out["offset_mapping"] = ([(0, 0)] if add_special_tokens else []) + [(i, i + 1) for i in range(len(text))]
+        return out
+
+
+def _record(index: int, method: str, budget: str, score: float) -> dict:
+    return {"task": "niah_single_1", "length": 3000, "index": index, "method": method, "budget": budget, "score": score}
+
+
+def test_targets_parse_and_refuse_bad_input():
+    assert parse_targets("icecache@256, quest@64") == [("icecache", "256"), ("quest", "64")]
+    for bad, match in (("icecache", "METHOD@BUDGET"), ("icecache@x", "METHOD@BUDGET"), ("full@64", "reference"),
+                       ("nosuch@64", "nosuch"), ("", "METHOD@BUDGET")):
+        with pytest.raises(ConfigError, match=match):
+            parse_targets(bad)
+
+
+def test_losses_are_classified_once_and_a_rerun_skips_them():
+    model = make_tiny_llama(seed=5, max_position_embeddings=8192)
+    tok = OffsetCharTokenizer()
+    records = [
+        _record(0, "full", "-", 1.0), _record(0, "exact", "32", 1.0), _record(0, "icecache", "32", 0.0),  # replayed
+        _record(1, "full", "-", 0.0), _record(1, "exact", "32", 1.0), _record(1, "icecache", "32", 0.0),  # model
+        _record(2, "full", "-", 1.0), _record(2, "exact", "32", 0.0), _record(2, "icecache", "32", 0.0),  # budget
+        _record(3, "full", "-", 1.0), _record(3, "exact", "32", 1.0), _record(3, "icecache", "32", 1.0),  # not lost
+        _record(4, "icecache", "32", 0.0),  # lost, but full and exact have not run it yet: not classified
+    ]
+    config = IceCacheConfig(budget=32, page_size=8, sink=4, window=32, dense_layers=(0,), threads=1)
+    seen = []
+    rows = diagnose_losses(model, tok, records, "icecache", "32", seed=42, config=config, chat_template=False,
+                           progress=False, on_row=seen.append)
+    assert rows == seen
+    classes = {r["index"]: r["class"] for r in rows}
+    assert classes[1] == "model" and classes[2] == "budget" and classes[0] in ("page miss", "search miss")
+    assert set(classes) == {0, 1, 2}
+    replayed = next(r for r in rows if r["index"] == 0)
+    assert replayed["steps"] >= 1
+    assert all(0.0 <= replayed[k] <= 1.0 for k in ("search_recall", "pages_recall", "oracle_recall"))
+    again = diagnose_losses(model, tok, records, "icecache", "32", seed=42, config=config, chat_template=False,
+                            progress=False, done={row_key(r) for r in rows})
+    assert again == []
+    table = diagnosis_markdown(records, rows, [("icecache", "32")])
+    line = next(x for x in table.splitlines() if "icecache@32" in x)
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[:5] == ["3000", "icecache@32", "5", "4", "3"]  # samples, lost, classified
+    assert cells[5:9] == ["1", "1", str(int(classes[0] == "page miss")), str(int(classes[0] == "search miss"))]
+
+
+def _args(out, **kw) -> argparse.Namespace:
+    base = dict(out=None if out is None else str(out), diagnose="icecache@256", model=None, json=True)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def test_command_refuses_a_directory_without_a_run(tmp_path):
+    with pytest.raises(ConfigError, match="run.json not found"):
+        run_diagnose(_args(tmp_path))
+    with pytest.raises(ConfigError, match="needs --out"):
+        run_diagnose(_args(None))
+    (tmp_path / "run.json").write_text(json.dumps({"model": "smollm2-135m-instruct", "seed": 42, "config": {}, "chat_template": None}))
+    with pytest.raises(ConfigError, match="used smollm2-135m-instruct, not gemma-3-270m"):
+        run_diagnose(_args(tmp_path, model="gemma-3-270m"))
+    with pytest.raises(ConfigError, match="no predictions"):
+        run_diagnose(_args(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.json"]  # nothing half-written
