@@ -42,19 +42,6 @@ def parse_targets(text: str) -> list[tuple[str, str]]:
     return out
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Rows of a JSONL file; a line cut by a crash mid-write is skipped (its unit runs again)."""
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
-
-
 def diagnosis_markdown(records: Sequence[dict[str, Any]], rows: Sequence[dict[str, Any]],
                        targets: Sequence[tuple[str, str]]) -> str:
     """Class counts per length and target: lost samples, how many were classified, and each class."""
@@ -81,6 +68,7 @@ def run_diagnose(args: Any) -> int:
     from icecache.core.config import IceCacheConfig
     from icecache.eval.ruler.command import MODEL_ALIASES
     from icecache.eval.ruler.diagnose import diagnose_losses, row_key
+    from icecache.eval.ruler.runner import read_jsonl
     from icecache.runtime.models import load_model
 
     if not args.out:

@@ -59,6 +59,24 @@ def unit_key(record: dict[str, Any]) -> tuple:
     return tuple(str(record[k]) for k in UNIT_KEYS)
 
 
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Rows of a JSONL file (none when it is missing); a line cut by a crash mid-write is skipped, so its unit
+    runs again."""
+    if not path.exists():
+        return []
+    records = []
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return records
+
+
 class PredictionLog:
     """``predictions.jsonl`` plus ``run.json`` under one directory: append-only, resumable."""
 
@@ -83,19 +101,7 @@ class PredictionLog:
         self.done = {unit_key(r) for r in self.records}
 
     def _read(self) -> list[dict[str, Any]]:
-        if not self.path.exists():
-            return []
-        records = []
-        with open(self.path) as f:
-            for line in f:
-                line = line.strip()
-                if not line:
-                    continue
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue  # a line cut by a crash mid-write: that unit runs again
-        return records
+        return read_jsonl(self.path)
 
     def append(self, record: dict[str, Any]) -> None:
         with open(self.path, "a") as f:
