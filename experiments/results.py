@@ -259,25 +259,35 @@ def row_decode() -> tuple[str, str, str]:
             f"{top} (the largest stage, {stages[top]:.1f} ms per step) streams run-ordered keys: {sc['model_pagers']['selects']} "
             f"selects {sc['model_pagers']['round_robin_ms']:.1f} -> {ss['model_pagers']['round_robin_ms']:.1f} ms "
             f"({link('experiments/bench_runtime/select_cost/')}, {link('experiments/bench_runtime/select_cost_streamed/')})")
-    runs = {name: read_json(br / name / "tpot_interleaved.json")["variants"]
-            for name in ("interleaved_8k_nocopy", "interleaved_8k_hotpath", "interleaved_8k_sampled", "interleaved_8k_autostep")}
+    chain = ("interleaved_8k_nocopy", "interleaved_8k_hotpath", "interleaved_8k_sampled", "interleaved_8k_autostep",
+             "interleaved_8k_ompworker")
+    runs = {name: read_json(br / name / "tpot_interleaved.json")["variants"] for name in chain}
     floor = next(name for name in runs["interleaved_8k_sampled"] if name.startswith("floor@"))
     to_floor = lambda name: " -> ".join(times(r[name]["ratio_vs_floor_median"]) for r in runs.values())
+    links = " -> ".join(link(f"experiments/bench_runtime/{name}/") for name in chain)
     head += (f"; against the step's floor (full attention at {floor.split('@')[1]} tokens = sink + window + budget, same "
              f"rounds; before -> compiled hot path -> sampled top-k and cold-calibrated auto -> auto calibrated on select + "
-             f"insert, {link('experiments/bench_runtime/interleaved_8k_nocopy/')} -> {link('experiments/bench_runtime/interleaved_8k_hotpath/')} "
-             f"-> {link('experiments/bench_runtime/interleaved_8k_sampled/')} -> {link('experiments/bench_runtime/interleaved_8k_autostep/')}): "
+             f"insert -> decode inserts on one intra-op thread, {links}): "
              f"exact {to_floor('exact@256')}, M-DCI {to_floor('mdci@256')}, `index=\"auto\"` {to_floor('auto@256')}, Quest pages "
              f"{to_floor('sequential@256')} (issue 24's target 1.2x and <= Quest: missed)")
-    auto_runs = [("2k", "interleaved_2k_autostep"), ("8k", "interleaved_8k_autostep"), ("Gemma-3 32k", "interleaved_gemma_32k")]
+    old_w, new_w = (read_json(br / name / "tpot_interleaved.json")["variants"]
+                    for name in ("interleaved_8k_c91157f", "interleaved_8k_ompworker"))
+    ms = lambda name: f"{old_w[name]['median_step_ms']:.1f} -> {new_w[name]['median_step_ms']:.1f}"
+    head += (f"; the last step made every step faster and the floor honest (the old insert worker's OpenMP threads had "
+             f"slowed the full-attention rows of every earlier run too; same command on the previous commit, back to back, "
+             f"{link('experiments/bench_runtime/interleaved_8k_c91157f/')}): ms per step exact {ms('exact@256')}, auto "
+             f"{ms('auto@256')}, M-DCI {ms('mdci@256')}, Quest pages {ms('sequential@256')}, full {ms('full')}, floor "
+             f"{ms(floor)}")
+    auto_runs = [("2k", "interleaved_2k_ompworker"), ("8k", "interleaved_8k_ompworker"),
+                 ("Gemma-3 32k", "interleaved_gemma_32k_ompworker")]
     gaps = []
     for label, name in auto_runs:
         var = read_json(br / name / "tpot_interleaved.json")["variants"]
         best = min(var["exact@256"]["median_step_ms"], var["mdci@256"]["median_step_ms"])
         gaps.append(f"{label} {100 * (var['auto@256']['median_step_ms'] / best - 1):+.1f}% (chose {var['auto@256']['index']})")
-    gemma = read_json(br / "interleaved_gemma_32k" / "tpot_interleaved.json")["variants"]
+    gemma = read_json(br / "interleaved_gemma_32k_ompworker" / "tpot_interleaved.json")["variants"]
     head += (f"; `index=\"auto\"` vs the faster of exact and M-DCI: {', '.join(gaps)} (target within 5%); Gemma-3-270M at "
-             f"32k ({link('experiments/bench_runtime/interleaved_gemma_32k/')}): IceCache (auto) "
+             f"32k ({link('experiments/bench_runtime/interleaved_gemma_32k_ompworker/')}): IceCache (auto) "
              f"**{times(gemma['auto@256']['ratio_vs_floor_median'])}** the full-attention step at 2k (target 1.1x)")
     return ("decode speed and memory", link("experiments/bench_runtime/README.md", full=True), head)
 

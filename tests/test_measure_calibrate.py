@@ -83,6 +83,12 @@ def test_decode_index_timing_scales_select_and_replaces_insert():
         for budget, page in ((64, 8), (256, 16)):
             assert dec.select_job_s(shape, "mdci", n, budget, page) == pytest.approx(f * plain.select_job_s(shape, "mdci", n, budget, page), rel=tol)
     assert dec.insert_job_s(shape, "mdci", 4096) == pytest.approx(3e-4) != plain.insert_job_s(shape, "mdci", 4096)
+    for n, f in ((200_000, 2.0), (512, 1.5)):  # outside the timed sizes: the factor at the nearest edge, noted
+        notes: list[str] = []
+        assert dec.select_job_s(shape, "mdci", n, 64, 8, notes) == pytest.approx(f * plain.select_job_s(shape, "mdci", n, 64, 8), rel=1e-6)
+        assert any("held at its measured edge" in x for x in notes)
+    edge = 3e-4 / plain.insert_job_s(shape, "mdci", 49152)
+    assert dec.insert_job_s(shape, "mdci", 200_000) == pytest.approx(edge * plain.insert_job_s(shape, "mdci", 200_000), rel=1e-6)
     with pytest.raises(ConfigError, match="step_decode/mdci"):  # the whole step was not timed in these rows
         dec.decode_step_in_runtime_s("mdci", 4096)
     steps = [dict(r, step_seconds=[s]) for r, s in zip(rows, (4e-3, 5e-3, 8e-3))]

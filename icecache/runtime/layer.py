@@ -137,7 +137,7 @@ class IceCacheLayer(TokenPlacement, CacheLayerMixin):
         if nxt is None:
             return
         kc, vc = self.take_leaving(nxt)
-        self.cache.workers.submit(self.layer_idx, f"insert position {nxt}", self.insert_host, nxt, kc, vc)
+        self.cache.workers.submit(self.layer_idx, f"insert position {nxt}", self.insert_host, nxt, kc, vc, kind="insert")
 
     def attend(self, query: torch.Tensor, scaling: float, shared: dict[str, Any] | None) -> torch.Tensor:
         """Sparse decode attention. ``query`` ``[B, Hq, 1, D]`` -> output ``[B, 1, Hq, D]``.

@@ -7,12 +7,23 @@ window at the next step is inserted into the pagers and host stores of its layer
 The compiled index kernels release the GIL, so the jobs overlap with the model's own compute. A layer waits
 only for its own jobs (`wait(layer)`), and an exception in a worker is raised there, in the caller, with the
 layer named.
+
+Two kinds of threads. Prefill jobs ("build") run with torch's default intra-op threads: they use the cores the
+model's prefill leaves idle. Decode jobs ("insert") run on threads whose torch ops use one OpenMP thread: a
+decode step is many small torch ops, each forking an OpenMP team over every core, and a worker with a team of its
+own takes those cores from it (measured on 2 cores, SmolLM2 at 1k tokens: every linear layer of the decode step
+~100 us slower, 576x576 58 -> 163 us; TPOT with the sequential pager 82 -> 56 ms once the inserts ran on one
+thread; `experiments/bench_runtime/README.md`). The build threads are released when the first insert is
+submitted, so their idle OpenMP teams do not linger beside the decode.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -26,24 +37,65 @@ class BackgroundJobError(IceCacheError, RuntimeError):
     """A background offload / index-build job failed; the original exception is chained (``__cause__``)."""
 
 
+#: job kinds: "build" (prefill offload + index build) and "insert" (a decode step's prefetched insert)
+JOB_KINDS: tuple[str, ...] = ("build", "insert")
+
+
+@functools.lru_cache(maxsize=1)
+def _omp_set_num_threads() -> Callable[[int], None] | None:
+    """OpenMP's ``omp_set_num_threads`` as torch loaded it (None: not found, e.g. a build without OpenMP)."""
+    if not torch.backends.openmp.is_available():
+        return None
+    try:
+        return ctypes.CDLL(None).omp_set_num_threads
+    except (AttributeError, OSError):
+        return None
+
+
+def one_intra_op_thread() -> None:
+    """Thread initializer: this thread's torch ops run on one OpenMP thread. Only this thread changes:
+    ``torch.set_num_threads`` would also lower the default of every thread the process starts later."""
+    setter = _omp_set_num_threads()
+    if setter is None:
+        warnings.warn("icecache: omp_set_num_threads not found; decode inserts keep torch's default intra-op "
+                      "threads and may slow the decode step", RuntimeWarning, stacklevel=2)
+        return
+    torch.get_num_threads()  # torch's lazy per-thread set-up first: it would reset the count set below
+    setter(1)
+
+
 class IndexWorkers:
-    """A small thread pool plus per-layer lists of futures."""
+    """Two small thread pools (build, insert; see the module docstring) plus per-layer lists of futures."""
 
     def __init__(self, threads: int) -> None:
         self.threads = max(1, int(threads))
-        self._executor: ThreadPoolExecutor | None = None
+        self._executors: dict[str, ThreadPoolExecutor] = {}
         self._futures: dict[int, list[tuple[str, Future]]] = {}
         self._lock = threading.Lock()
         self.job_seconds = 0.0  # summed wall time of finished jobs
         self.wait_seconds = 0.0  # time callers spent blocked in `wait`
         self.closed = False
 
-    def submit(self, layer_idx: int, label: str, fn: Callable[..., Any], *args: Any) -> Future:
-        """Run ``fn(*args)`` in the background for ``layer_idx`` (grad/inference mode copied from the caller)."""
+    def _executor_for(self, kind: str) -> ThreadPoolExecutor:
+        if kind not in JOB_KINDS:
+            raise ValueError(f"unknown job kind {kind!r} (one of {', '.join(JOB_KINDS)})")
+        executor = self._executors.get(kind)
+        if executor is None:
+            if kind == "insert" and "build" in self._executors:
+                # Queued build jobs still run (their layers wait for them); the threads exit once idle.
+                self._executors.pop("build").shutdown(wait=False)
+            initializer = one_intra_op_thread if kind == "insert" else None
+            executor = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix=f"icecache-{kind}",
+                                          initializer=initializer)
+            self._executors[kind] = executor
+        return executor
+
+    def submit(self, layer_idx: int, label: str, fn: Callable[..., Any], *args: Any, kind: str = "build") -> Future:
+        """Run ``fn(*args)`` in the background for ``layer_idx`` on the ``kind`` threads (grad/inference mode
+        copied from the caller)."""
         if self.closed:
             raise BackgroundJobError("the index workers are closed (the cache was closed)")
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="icecache")
+        executor = self._executor_for(kind)
         inference = torch.is_inference_mode_enabled()
 
         def run() -> Any:
@@ -55,7 +107,7 @@ class IndexWorkers:
                 with self._lock:
                     self.job_seconds += time.perf_counter() - t0
 
-        fut = self._executor.submit(run)
+        fut = executor.submit(run)
         self._futures.setdefault(layer_idx, []).append((label, fut))
         return fut
 
@@ -90,6 +142,6 @@ class IndexWorkers:
         """Cancel what has not started, wait for what has, and release the threads. Idempotent."""
         self.closed = True
         self._futures.clear()
-        if self._executor is not None:
-            self._executor.shutdown(wait=True, cancel_futures=True)
-            self._executor = None
+        for executor in self._executors.values():
+            executor.shutdown(wait=True, cancel_futures=True)
+        self._executors.clear()

@@ -168,14 +168,26 @@ class MeasuredCosts(CostModel):
         When the profile timed the pager inside the runtime's decode (calibration component ``decode_index``:
         real generations over prompts of n indexed tokens per head), the round-robin select cost is scaled by
         ``select_decode(n) / select(n)`` at the budget and page size of that timing: a select between the
-        model's work and the other heads' selects runs slower than one index timed alone."""
+        model's work and the other heads' selects runs slower than one index timed alone. Outside the sizes that
+        timing measured the factor is held at its nearest measured size (noted): extrapolating the in-step fit
+        alone would let its last segment's slope, not the round-robin select measured that far, set the growth."""
         name = self._pager_name(pager, "select", notes)
         t = self._p(name, [max(n, 1), max(budget, 1), page_size], notes)
         dec = f"select_decode/{pager}"
         if dec in self.profile.predictors:
             ref = self.profile.samples["decode_index"][pager][0]
-            t *= self._p(dec, [max(n, 1)], notes) / self._p(name, [max(n, 1), ref["budget"], ref["page_size"]], notes)
+            m = self._in_decode_size(dec, n, notes)
+            t *= self._p(dec, [m], notes) / self._p(name, [m, ref["budget"], ref["page_size"]], notes)
         return t * self._shape_ratio(shape, "query", notes)
+
+    def _in_decode_size(self, dec: str, n: int, notes: Notes) -> float:
+        """``n`` clamped into the sizes the ``decode_index`` timing ``dec`` measured (noted when clamped)."""
+        pred = self.profile.predictor(dec)
+        lo, hi = float(pred.lo[0]), float(pred.hi[0])
+        m = min(max(float(max(n, 1)), lo), hi)
+        if m != max(n, 1):
+            _note(notes, f"{dec}: in-step factor at n={n} held at its measured edge n={m:.0f}")
+        return m
 
     def decode_step_in_runtime_s(self, pager: str, n: int, notes: Notes = None) -> float:
         """One whole decode step (seconds) of the calibration's own model under the runtime, every layer sparse,
@@ -210,12 +222,20 @@ class MeasuredCosts(CostModel):
 
     def insert_job_s(self, shape: ModelShape, pager: str, n: int, notes: Notes = None) -> float:
         """Insertion of one token (leaving the window) into one KV head's index of ``n`` tokens (timed inside
-        the runtime's decode when the profile has ``insert_decode/<pager>``, see `select_job_s`)."""
-        name = f"insert_decode/{pager}" if f"insert_decode/{pager}" in self.profile.predictors else f"insert/{pager}"
+        the runtime's decode when the profile has ``insert_decode/<pager>``; outside that timing's sizes, the
+        round-robin ``insert/<pager>`` scaled by the in-step factor at the nearest measured size, as in
+        `select_job_s`)."""
+        dec, base = f"insert_decode/{pager}", f"insert/{pager}"
+        name = dec if dec in self.profile.predictors else base
         if name not in self.profile.predictors:
             _note(notes, f"no insert cost measured for {pager}; counted as 0")
             return 0.0
-        return self._p(name, [max(n, 1)], notes) * self._shape_ratio(shape, "build", notes)
+        ratio = self._shape_ratio(shape, "build", notes)
+        if name == dec and base in self.profile.predictors:
+            m = self._in_decode_size(dec, n, notes)
+            if m != max(n, 1):
+                return self._p(base, [max(n, 1)], notes) * self._p(dec, [m], notes) / self._p(base, [m], notes) * ratio
+        return self._p(name, [max(n, 1)], notes) * ratio
 
     def _per_layer(self, name: str, what: str, shape: ModelShape, notes: Notes) -> float:
         if name not in self.profile.predictors:
