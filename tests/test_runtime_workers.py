@@ -15,6 +15,7 @@ def _threads_seen(workers: IndexWorkers, kind: str) -> int:
     return int(workers.submit(0, f"{kind} probe", torch.get_num_threads, kind=kind).result())
 
 
+@pytest.mark.skipif(not torch.backends.openmp.is_available(), reason="torch built without OpenMP")
 def test_insert_jobs_run_on_one_intra_op_thread_and_nothing_else_changes() -> None:
     default = torch.get_num_threads()
     workers = IndexWorkers(2)
