@@ -292,7 +292,7 @@ def test_soak_short_tiny_model():
         kv_per_step = report["host_bytes_per_step"]
         assert 0 < report["index_bytes_per_step"] <= 4 * kv_per_step, (name, report["index_bytes_per_step"], kv_per_step)
         # host blocks are reserved by capacity doubling, so a window of a few hundred steps may reserve none
-        # (hnsw after a prefill whose pool was sized exactly, `HeadStore.load_layout`); never more than a few K/V
+        # (`HeadStore.load_layout` leaves a quarter spare, `icecache.core.capacity`); never more than a few K/V
         assert 0 <= report["host_allocated_bytes_per_step"] <= 4 * kv_per_step, (name, report["host_allocated_bytes_per_step"])
         assert 0 < report["select_end_ms"] < report["tpot_end_ms"] and math.isfinite(report["tpot_drift_without_select"])
     # inserts on the decode thread: the same invariants, the run says how it inserted

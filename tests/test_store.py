@@ -54,3 +54,41 @@ def test_load_layout_refuses_a_store_in_use_or_mismatched_kv():
     store.load_layout(torch.zeros(10, 4), torch.zeros(10, 4))
     with pytest.raises(ValueError, match="empty store"):
         store.load_layout(torch.zeros(10, 4), torch.zeros(10, 4))
+
+
+@pytest.mark.parametrize("name", PAGERS)
+def test_decode_inserts_after_a_build_do_not_reallocate(name):
+    """A prefill build leaves spare room (`icecache.core.capacity`): the first decode inserts reuse the host pool,
+    the page table and the pager's key buffers instead of doubling each of them (a fresh zero-filled allocation
+    per head that the next layer waited for)."""
+    rng = np.random.default_rng(0)
+    n = 400
+    keys = torch.from_numpy(rng.standard_normal((n, 8), dtype=np.float32))
+    pager = make_pager(name, head_dim=8, page_size=8, seed=0, record_moves=False)
+    pager.build(keys)
+    store = HeadStore(pager.table, 8, torch.float32)
+    store.load_layout(keys, keys)
+    assert store.pool.shape[0] >= len(pager.table.page_ids()) * 5 // 4
+
+    def buffers():
+        found = {"pool": store.pool.data_ptr(), "members": pager.table.members.ctypes.data,
+                 "page_of": pager.table.page_of_.ctypes.data}
+        for attr in ("_buf", "_lo"):
+            buf = getattr(pager, attr, None)
+            if buf is not None:
+                found[attr] = buf.data_ptr() if isinstance(buf, torch.Tensor) else buf.ctypes.data
+        tree = getattr(getattr(pager, "index", None), "tree", None)
+        if tree is not None:
+            found["tree vectors"], found["tree slab"] = tree.vectors.ctypes.data, tree.run_key.ctypes.data
+        return found
+
+    before = buffers()
+    pager.table.record_moves = True
+    extra = torch.from_numpy(rng.standard_normal((12, 8), dtype=np.float32))
+    for i in range(len(extra)):
+        pager.insert(extra[i : i + 1])
+        store.sync(pager.table.take_moves(), extra[i : i + 1], extra[i : i + 1], first_new=n + i)
+    after = buffers()
+    assert {k for k in before if before[k] != after[k]} == set(), name
+    k, _ = store.read(np.arange(n + len(extra)))
+    assert torch.equal(k[:n], keys) and torch.equal(k[n:], extra)

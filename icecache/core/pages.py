@@ -31,6 +31,8 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
+from icecache.core.capacity import grown_capacity
+
 
 @njit(nogil=True, cache=True)
 def _budget_csr(members, sizes, num_ids, ids, budget):
@@ -349,7 +351,7 @@ class PageTable:
         start = self._num_ids
         self._num_ids += count - len(reused)
         if self._num_ids > len(self.sizes_):
-            cap = max(2 * len(self.sizes_), 64, self._num_ids)
+            cap = grown_capacity(self._num_ids, len(self.sizes_))
             members = np.full((cap, self.page_size), -1, dtype=np.int64)
             members[: len(self.members)] = self.members
             sizes = np.full(cap, -1, dtype=np.int64)
@@ -375,7 +377,7 @@ class PageTable:
 
     def _grow_positions(self, n: int) -> None:
         if n > len(self.page_of_):
-            cap = max(n, 2 * len(self.page_of_), 64)
+            cap = grown_capacity(n, len(self.page_of_))
             for name in ("page_of_", "slot_of_"):
                 old = getattr(self, name)
                 new = np.full(cap, -1, dtype=np.int64)

@@ -13,6 +13,7 @@ import math
 
 import numpy as np
 
+from icecache.core.capacity import grown_capacity
 from icecache.core.pages import PageTable
 from icecache.indexes import _dci_kernels as kernels
 from icecache.indexes.dci_params import DCIParams, Metric
@@ -123,7 +124,7 @@ class DCITree:
         """Make room for ``n`` points (capacity doubling)."""
         if n <= self.capacity:
             return
-        capacity = max(n, 2 * self.capacity, 64)
+        capacity = grown_capacity(n, self.capacity)
 
         def grown(old: np.ndarray, fill: float, extra: int = 0) -> np.ndarray:
             new = np.full((capacity + extra,) + old.shape[1:], fill, old.dtype)
@@ -164,7 +165,7 @@ class DCITree:
                 need = self.slab_used + int(caps.sum())
         starts = self.slab_used + np.cumsum(caps) - caps
         if need > self.run_key.shape[1]:
-            slab_cap = max(need, 2 * self.run_key.shape[1], 256)
+            slab_cap = grown_capacity(need, self.run_key.shape[1], 256)
             num_dirs = self.run_key.shape[0]
             run_key = np.zeros((num_dirs, slab_cap), np.float32)
             run_id = np.full((num_dirs, slab_cap), -1, np.int32)

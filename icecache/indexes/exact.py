@@ -7,6 +7,7 @@ import numpy as np
 import torch
 from numba import njit
 
+from icecache.core.capacity import grown_capacity
 from icecache.core.pager import SemanticPager
 from icecache.indexes.registry import register_pager
 
@@ -100,14 +101,15 @@ class ExactPager(SemanticPager):
         return 1
 
     def _build(self, keys: torch.Tensor) -> None:
-        self._buf = torch.empty(keys.shape, dtype=torch.float32).copy_(keys)  # contiguous: the kernel reads rows
-        self._keys = self._buf
+        self._buf = torch.empty(grown_capacity(keys.shape[0], 0), keys.shape[1])  # contiguous: the kernel reads rows
+        self._buf[: keys.shape[0]] = keys
+        self._keys = self._buf[: keys.shape[0]]
         self.table.new_pages(np.arange(keys.shape[0]).reshape(-1, 1))
 
     def _insert(self, keys: torch.Tensor, start: int) -> None:
         n = start + keys.shape[0]
         if n > self._buf.shape[0]:
-            grown = torch.empty(max(n, 2 * self._buf.shape[0], 64), self.head_dim)
+            grown = torch.empty(grown_capacity(n, self._buf.shape[0]), self.head_dim)
             grown[:start] = self._buf[:start]
             self._buf = grown
         self._buf[start:n] = keys

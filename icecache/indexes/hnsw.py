@@ -44,6 +44,7 @@ import math
 import numpy as np
 import torch
 
+from icecache.core.capacity import grown_capacity
 from icecache.core.errors import InputError
 from icecache.core.pager import SemanticPager
 from icecache.core.transform import transform_keys, transform_queries
@@ -263,7 +264,7 @@ class HNSWPager(SemanticPager):
     def _store(self, x: np.ndarray, start: int) -> None:
         n = start + x.shape[0]
         if n > self._buf.shape[0]:
-            grown = np.empty((max(n, 2 * self._buf.shape[0], 64), self.head_dim), dtype=np.float32)
+            grown = np.empty((grown_capacity(n, self._buf.shape[0]), self.head_dim), dtype=np.float32)
             grown[:start] = self._buf[:start]
             self._buf = grown
         self._buf[start:n] = x

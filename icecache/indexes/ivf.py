@@ -51,6 +51,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from icecache.core.capacity import grown_capacity
 from icecache.core.errors import InputError
 from icecache.core.pager import SemanticPager
 from icecache.core.transform import transform_keys
@@ -247,7 +248,7 @@ class IVFPager(SemanticPager):
     def _store(self, x: np.ndarray, start: int) -> None:
         n = start + x.shape[0]
         if n > self._buf.shape[0]:
-            grown = np.empty((max(n, 2 * self._buf.shape[0], 64), self.head_dim), dtype=np.float32)
+            grown = np.empty((grown_capacity(n, self._buf.shape[0]), self.head_dim), dtype=np.float32)
             grown[:start] = self._buf[:start]
             self._buf = grown
         self._buf[start:n] = x
@@ -386,7 +387,7 @@ class IVFPager(SemanticPager):
     def _grow_page_arrays(self) -> None:
         cap = self.table.id_capacity
         if cap > len(self._list_of_page):
-            new_cap = max(cap, 2 * len(self._list_of_page), 64)
+            new_cap = grown_capacity(cap, len(self._list_of_page))
             lop = np.full(new_cap, -1, dtype=np.int64)
             lop[: len(self._list_of_page)] = self._list_of_page
             ps = np.zeros((new_cap, self.head_dim + 1))

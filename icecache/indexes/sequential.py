@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from numba import njit
 
+from icecache.core.capacity import grown_capacity
 from icecache.core.pager import SemanticPager, top_k_stable
 from icecache.indexes.registry import register_pager
 
@@ -65,7 +66,7 @@ class SequentialPager(SemanticPager):
     def _add_bounds(self, lo: torch.Tensor, hi: torch.Tensor) -> None:
         need = self._pages + lo.shape[0]
         if need > self._lo.shape[0]:
-            cap = max(need, 2 * self._lo.shape[0], 64)
+            cap = grown_capacity(need, self._lo.shape[0])
             for name in ("_lo", "_hi"):
                 old = getattr(self, name)
                 new = torch.empty(cap, self.head_dim)

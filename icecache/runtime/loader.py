@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from numba import njit
 
+from icecache.core.capacity import grown_capacity
 from icecache.runtime.store import HeadStore
 from icecache.runtime.timing import StageTimer
 
@@ -196,7 +197,7 @@ class BulkLoader:
                     n_sel += len(pos)
                     sop = self._slot_of_pos[b][h]
                     if len(pos) and pos.max() >= len(sop):
-                        grown = np.full(max(int(pos.max()) + 1, 2 * len(sop), 64), -1, dtype=np.int64)
+                        grown = np.full(grown_capacity(int(pos.max()) + 1, len(sop)), -1, dtype=np.int64)
                         grown[: len(sop)] = sop
                         sop = self._slot_of_pos[b][h] = grown
                     ip = indptrs[b][h]

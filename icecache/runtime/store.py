@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from numba import njit
 
+from icecache.core.capacity import grown_capacity
 from icecache.core.pages import Move, PageTable
 
 
@@ -108,7 +109,7 @@ class HeadStore:
         self._grow_block_map(self.table.id_capacity)
         self.block_of[pages] = np.arange(len(pages))
         self._num_blocks = len(pages)
-        self.pool = self._alloc(len(pages))
+        self.pool = self._alloc(grown_capacity(len(pages), 0, 16))  # spare blocks for the decode's new pages
         if n == 0:
             return
         positions = np.arange(n)
@@ -171,13 +172,13 @@ class HeadStore:
         b = self._num_blocks
         self._num_blocks += 1
         if b >= self.pool.shape[0]:
-            new = self._alloc(max(2 * self.pool.shape[0], 16))
+            new = self._alloc(grown_capacity(b + 1, self.pool.shape[0], 16))
             new[: self.pool.shape[0]] = self.pool
             self.pool = new
         return b
 
     def _grow_block_map(self, n: int) -> None:
         if n > len(self.block_of):
-            m = np.full(max(n, 2 * len(self.block_of), 16), -1, dtype=np.int64)
+            m = np.full(grown_capacity(n, len(self.block_of), 16), -1, dtype=np.int64)
             m[: len(self.block_of)] = self.block_of
             self.block_of = m

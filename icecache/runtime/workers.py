@@ -14,9 +14,9 @@ decode step is many small torch ops, each forking an OpenMP team over every core
 own takes those cores from it (measured on 2 cores, SmolLM2 at 1k tokens: every linear layer of the decode step
 ~100 us slower, 576x576 58 -> 163 us; TPOT with the sequential pager 82 -> 56 ms once the inserts ran on one
 thread; `experiments/bench_runtime/README.md`). The build threads are released when the first insert is
-submitted, so their idle OpenMP teams do not linger beside the decode. Open: M-DCI at 8k, whose inserts are
-heavy torch work, decodes slower this way in a fresh process (146-166 -> 177-229 ms per step); the thread count
-should come from a per-pager measurement.
+submitted, so their idle OpenMP teams do not linger beside the decode. A fresh insert thread starts with an
+empty malloc arena: a buffer that grows on it faults in new pages, which is why buffers are built with spare
+room (`icecache.core.capacity`; without it M-DCI at 8k decoded slower on this thread than on the old shared one).
 """
 
 from __future__ import annotations
