@@ -98,7 +98,14 @@ ICE_OPTIONS: dict[str, tuple[str, Any, str]] = {
     "threads": ("--threads", int, "CPU threads for index work (0: all)"),
     "seed": ("--seed", int, "random seed of the pagers"),
     "heap_policy": ("--heap-policy", str, "glibc heap growth over long runs: trim, pin or none"),
+    "inserts": ("--inserts", str, "where decode inserts run: background (a worker thread), inline (the decode thread) or auto"),
 }
+
+
+def _choices() -> dict[str, tuple[str, ...]]:
+    from icecache.core.config import INSERT_MODES
+
+    return {"heap_policy": ("trim", "pin", "none"), "inserts": INSERT_MODES}
 
 
 def _config_default(name: str) -> Any:
@@ -263,7 +270,8 @@ def _add_ice_options(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> 
     for name, (flag, kind, text) in ICE_OPTIONS.items():
         if name in skip:
             continue
-        extra: dict[str, Any] = {"choices": ("trim", "pin", "none")} if name == "heap_policy" else {}
+        choices = _choices()
+        extra: dict[str, Any] = {"choices": choices[name]} if name in choices else {}
         g.add_argument(flag, dest=name, type=kind, default=None, help=f"{text} (default {_config_default(name)})", **extra)
 
 

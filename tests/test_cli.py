@@ -29,6 +29,7 @@ FLAG_VALUES = {
     "--threads": ("1", 1),
     "--seed": ("7", 7),
     "--heap-policy": ("none", "none"),
+    "--inserts": ("inline", "inline"),
 }
 
 

@@ -75,3 +75,11 @@ def test_pager_spec_parse():
     for bad in ("", "mdci[", "a b"):
         with pytest.raises(ConfigError):
             parse_pager_spec(bad)
+
+
+def test_insert_mode_is_checked():
+    from icecache.core.config import INSERT_MODES
+
+    assert IceCacheConfig().inserts == "auto" and set(INSERT_MODES) == {"auto", "background", "inline"}
+    with pytest.raises(ConfigError, match="IceCacheConfig.inserts must be one of"):
+        IceCacheConfig(inserts="later")

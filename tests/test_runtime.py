@@ -157,9 +157,10 @@ def test_conservation_and_host_kv_equal_full_cache(tiny_llama, name, lengths):
     cache.close()
 
 
-def test_device_bytes_constant_and_one_copy_per_layer_step(tiny_llama):
+@pytest.mark.parametrize("inserts", ["background", "inline"])
+def test_device_bytes_constant_and_one_copy_per_layer_step(tiny_llama, inserts):
     ids, mask = prompts(1, lengths=(200,))
-    cfg = IceCacheConfig(index="sequential", budget=32, page_size=8, sink=4, window=16, dense_layers=())
+    cfg = IceCacheConfig(index="sequential", budget=32, page_size=8, sink=4, window=16, dense_layers=(), inserts=inserts)
     cache = IceCache(tiny_llama.config, cfg)
     run(tiny_llama, ids, mask, cache=cache, steps=5)
     dev, host = cache.device_kv_bytes(), cache.host_kv_bytes()
@@ -167,8 +168,8 @@ def test_device_bytes_constant_and_one_copy_per_layer_step(tiny_llama):
     assert run_more["copies_per_layer_step"] <= 1.0
     # (sink + window + budget) slots per KV head, 2 heads x 16 dims x K and V x fp32 x 4 layers
     assert dev == 4 * 2 * (4 + 16 + 32) * 16 * 2 * 4
-    # 4 decode steps pushed 4 tokens out of the window, and the one leaving next was inserted ahead (prefetch)
-    assert host == 4 * 2 * (200 + 4 - 4 - 16 + 1) * 16 * 2 * 4
+    # 4 decode steps pushed 4 tokens out of the window; in the background, the one leaving next was inserted ahead
+    assert host == 4 * 2 * (200 + 4 - 4 - 16 + (inserts == "background")) * 16 * 2 * 4
     assert run_more["full_kv_bytes"] == 4 * 2 * 204 * 16 * 2 * 4
     cache.close()
 

@@ -56,3 +56,52 @@ def test_first_insert_releases_the_build_threads() -> None:
         assert not any(t.is_alive() for t in build_threads)
     finally:
         workers.close()
+
+
+@pytest.mark.parametrize("mode, device, torch_threads, cores, expected", [
+    ("background", "cpu", 2, 2, True),
+    ("inline", "cuda", 1, 8, False),
+    ("auto", "cpu", 2, 2, False),  # every core runs the model's ops: a worker would take one from them
+    ("auto", "cpu", 1, 2, True),  # a core left free
+    ("auto", "cuda", 8, 8, True),  # the decode thread mostly waits for the device
+])
+def test_insert_mode_policy(monkeypatch, mode, device, torch_threads, cores, expected) -> None:
+    import os
+
+    from icecache.runtime.workers import background_inserts
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: torch_threads)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    assert background_inserts(mode, torch.device(device)) is expected
+    with pytest.raises(ValueError, match="unknown insert mode"):
+        background_inserts("sometimes", torch.device(device))
+
+
+@pytest.mark.parametrize("inserts", ["inline", "background"])
+def test_decode_releases_the_build_threads_and_reports_the_insert_mode(inserts) -> None:
+    """The first decode step releases the prefill's build threads even when no insert goes to a worker (with
+    them alive, every op of the decode step ran slower); `stats()` says where the inserts ran."""
+    from conftest import make_tiny_llama
+
+    from icecache import IceCache, IceCacheConfig
+    from icecache.runtime.attention import use_attention
+
+    model = make_tiny_llama(seed=0)
+    cache = IceCache(model.config, IceCacheConfig(index="exact", budget=16, page_size=4, window=8, dense_layers=(),
+                                                  inserts=inserts, threads=1))
+    ids = torch.randint(3, 128, (1, 96), generator=torch.Generator().manual_seed(0))
+    try:
+        with use_attention(model), torch.no_grad():
+            out = model(ids, past_key_values=cache, use_cache=True)
+            build_threads = {t for t in threading.enumerate() if t.name.startswith("icecache-build")}
+            assert build_threads
+            token = out.logits[:, -1:].argmax(-1)
+            for _ in range(3):
+                token = model(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        for t in build_threads:
+            t.join(timeout=10)
+        assert not any(t.is_alive() for t in build_threads)
+        assert cache.stats()["inserts"] == inserts
+        cache.check_conservation()
+    finally:
+        cache.close()

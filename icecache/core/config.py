@@ -20,6 +20,9 @@ _INT_RANGES: dict[str, tuple[int, int]] = {
     "seed": (0, 2**63 - 1),
 }
 
+#: where decode inserts run (`IceCacheConfig.inserts`)
+INSERT_MODES: tuple[str, ...] = ("auto", "background", "inline")
+
 
 @dataclass
 class IceCacheConfig:
@@ -57,6 +60,13 @@ class IceCacheConfig:
         How a GQA group shares its KV head's budget: ``"union"`` (IceCache) ranks pages once for the whole
         group (a token's score is its best q.k over the group's query heads); ``"per-head"`` lets every
         query head select ``budget // group`` tokens on its own and attends the union.
+    inserts : {"auto", "background", "inline"}
+        Where a decode step inserts the token leaving the window into its layer's pager and host store:
+        ``"background"`` on a worker thread while the next layers compute, ``"inline"`` on the decode thread,
+        ``"auto"`` (default) background when the KV cache is on an accelerator (the decode thread mostly waits for
+        it) or when torch's intra-op threads leave a CPU core free, inline otherwise. On a CPU whose cores all
+        run the model's ops, a worker takes a core from them: inline was 5-13 ms per step faster on 2 cores
+        (``experiments/bench_runtime/README.md``, question 4). ``stats()["inserts"]`` says which ran.
     heap_policy : {"trim", "pin", "none"}
         Against glibc heap growth over long generations (``experiments/reliability.md``): ``"trim"`` (default)
         returns free heap memory to the system every 256 decode steps (``malloc_trim``; negligible cost, bounds
@@ -77,6 +87,7 @@ class IceCacheConfig:
     trace: bool = False
     gqa: str = "union"
     heap_policy: str = "trim"
+    inserts: str = "auto"
 
     def __post_init__(self) -> None:
         for name, (lo, hi) in _INT_RANGES.items():
@@ -102,6 +113,8 @@ class IceCacheConfig:
             raise ConfigError(f"IceCacheConfig.trace must be a bool, got {self.trace!r}")
         if self.gqa not in ("union", "per-head"):
             raise ConfigError(f"IceCacheConfig.gqa must be 'union' or 'per-head', got {self.gqa!r}")
+        if self.inserts not in INSERT_MODES:
+            raise ConfigError(f"IceCacheConfig.inserts must be one of {', '.join(map(repr, INSERT_MODES))}, got {self.inserts!r}")
         if self.heap_policy not in ("trim", "pin", "none"):
             raise ConfigError(f"IceCacheConfig.heap_policy must be 'trim', 'pin' or 'none', got {self.heap_policy!r}")
 

@@ -30,7 +30,7 @@ from icecache.runtime.layer import IceCacheLayer
 from icecache.runtime.malloc import pin_mmap_threshold, trim_heap
 from icecache.runtime.selection import DecodeAccounting
 from icecache.runtime.timing import StageTimer
-from icecache.runtime.workers import IndexWorkers
+from icecache.runtime.workers import IndexWorkers, background_inserts
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma3")
 
@@ -103,8 +103,9 @@ class IceCache(Cache):
         elif self.ice.index == AUTO:
             raise ConfigError("index='auto' chooses the pagers itself: it takes no pager_factory")
         self.pager_factory = pager_factory or self._default_pager
-        #: insert the token that will leave the window next step on a worker during this step (exact semantics)
-        self.prefetch_inserts = True
+        #: insert the token that will leave the window next step on a worker during this step (same result as
+        #: inline); None until the first update resolves ``config.inserts`` for the KV's device
+        self.prefetch_inserts: bool | None = None
         if self.ice.heap_policy == "pin":
             pin_mmap_threshold()
         self.workers = IndexWorkers(self.ice.num_threads)
@@ -276,6 +277,8 @@ class IceCache(Cache):
         link.publish(self, layer_idx)
         if self._t_first_update is None:
             self._t_first_update = time.perf_counter()
+        if self.prefetch_inserts is None:
+            self.prefetch_inserts = background_inserts(self.ice.inserts, key_states.device)
         if layer_idx == 0 and q == 1:
             self._on_decode_step()
         return layer.update(key_states, value_states, cache_kwargs)
@@ -284,6 +287,7 @@ class IceCache(Cache):
         if self._t_prefill_done is None:
             self._t_prefill_done = time.perf_counter()
         steps = self.accounting.start_step()
+        self.workers.release_build_threads()  # the prefill is over (see `IndexWorkers.release_build_threads`)
         self._shared.clear()
         if self.ice.heap_policy == "trim" and steps % TRIM_EVERY == 0:
             trim_heap()
@@ -349,6 +353,7 @@ class IceCache(Cache):
             "index_wait_seconds": self.workers.wait_seconds,
             "layers": {k: self.kind.count(k) for k in ("sparse", "dense", "sliding")},
             "index": self.index,
+            "inserts": {None: "not started", True: "background", False: "inline"}[self.prefetch_inserts],
         }
         if self.ice.index == AUTO:
             out["auto_crossover_keys"] = self.auto_crossover

@@ -14,7 +14,8 @@ decode step is many small torch ops, each forking an OpenMP team over every core
 own takes those cores from it (measured on 2 cores, SmolLM2 at 1k tokens: every linear layer of the decode step
 ~100 us slower, 576x576 58 -> 163 us; TPOT with the sequential pager 82 -> 56 ms once the inserts ran on one
 thread; `experiments/bench_runtime/README.md`). The build threads are released when the first insert is
-submitted, so their idle OpenMP teams do not linger beside the decode. A fresh insert thread starts with an
+submitted or the decode starts (synchronous inserts too), so their OpenMP teams do not linger beside the decode
+(with them alive, measured at 400 tokens with synchronous inserts: every linear 210 vs 123 us). A fresh insert thread starts with an
 empty malloc arena: a buffer that grows on it faults in new pages, which is why buffers are built with spare
 room (`icecache.core.capacity`; without it M-DCI at 8k decoded slower on this thread than on the old shared one).
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import threading
 import time
 import warnings
@@ -32,6 +34,7 @@ from typing import Any
 
 import torch
 
+from icecache.core.config import INSERT_MODES
 from icecache.core.errors import IceCacheError
 
 
@@ -66,6 +69,18 @@ def one_intra_op_thread() -> None:
     setter(1)
 
 
+def background_inserts(mode: str, device: torch.device) -> bool:
+    """Whether decode inserts run on a worker thread (`IceCacheConfig.inserts`): ``"background"`` / ``"inline"``
+    as given; ``"auto"``: background when the KV cache is on an accelerator, or when torch's intra-op threads
+    leave one of this process's CPU cores free."""
+    if mode not in INSERT_MODES:
+        raise ValueError(f"unknown insert mode {mode!r} (one of {', '.join(INSERT_MODES)})")
+    if mode != "auto":
+        return mode == "background"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return device.type != "cpu" or torch.get_num_threads() < cores
+
+
 class IndexWorkers:
     """Two small thread pools (build, insert; see the module docstring) plus per-layer lists of futures."""
 
@@ -83,14 +98,22 @@ class IndexWorkers:
             raise ValueError(f"unknown job kind {kind!r} (one of {', '.join(JOB_KINDS)})")
         executor = self._executors.get(kind)
         if executor is None:
-            if kind == "insert" and "build" in self._executors:
-                # Queued build jobs still run (their layers wait for them); the threads exit once idle.
-                self._executors.pop("build").shutdown(wait=False)
+            if kind == "insert":
+                self.release_build_threads()
             initializer = one_intra_op_thread if kind == "insert" else None
             executor = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix=f"icecache-{kind}",
                                           initializer=initializer)
             self._executors[kind] = executor
         return executor
+
+    def release_build_threads(self) -> None:
+        """Let the build threads exit once their queued jobs are done (the jobs still run; their layers wait for
+        them). Called when the decode starts, whether or not it inserts on a worker: while a build thread lives,
+        its OpenMP team counts against the cores and the decode step's ops run slower. Idempotent; a later
+        prefill gets fresh build threads."""
+        executor = self._executors.pop("build", None)
+        if executor is not None:
+            executor.shutdown(wait=False)
 
     def submit(self, layer_idx: int, label: str, fn: Callable[..., Any], *args: Any, kind: str = "build") -> Future:
         """Run ``fn(*args)`` in the background for ``layer_idx`` on the ``kind`` threads (grad/inference mode
