@@ -15,8 +15,10 @@ own takes those cores from it (measured on 2 cores, SmolLM2 at 1k tokens: every 
 ~100 us slower, 576x576 58 -> 163 us; TPOT with the sequential pager 82 -> 56 ms once the inserts ran on one
 thread; `experiments/bench_runtime/README.md`). The build threads are released when the first insert is
 submitted or the decode starts (synchronous inserts too), so their OpenMP teams do not linger beside the decode
-(with them alive, measured at 400 tokens with synchronous inserts: every linear 210 vs 123 us). A fresh insert thread starts with an
-empty malloc arena: a buffer that grows on it faults in new pages, which is why buffers are built with spare
+(with them alive, at 400 tokens with synchronous inserts, every linear took 210 instead of 123 us). Whether the
+decode inserts run here at all is `IceCacheConfig.inserts` (`background_inserts`): on a CPU whose cores all run
+the model's ops, inline on the decode thread measured faster. A fresh insert thread starts with an empty malloc
+arena: a buffer that grows on it faults in new pages, which is why buffers are built with spare
 room (`icecache.core.capacity`; without it M-DCI at 8k decoded slower on this thread than on the old shared one).
 """
 
