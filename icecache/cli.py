@@ -103,9 +103,9 @@ ICE_OPTIONS: dict[str, tuple[str, Any, str]] = {
 
 
 def _choices() -> dict[str, tuple[str, ...]]:
-    from icecache.core.config import INSERT_MODES
+    from icecache.core.config import HEAP_POLICIES, INSERT_MODES
 
-    return {"heap_policy": ("trim", "pin", "none"), "inserts": INSERT_MODES}
+    return {"heap_policy": HEAP_POLICIES, "inserts": INSERT_MODES}
 
 
 def _config_default(name: str) -> Any:

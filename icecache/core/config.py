@@ -22,6 +22,8 @@ _INT_RANGES: dict[str, tuple[int, int]] = {
 
 #: where decode inserts run (`IceCacheConfig.inserts`)
 INSERT_MODES: tuple[str, ...] = ("auto", "background", "inline")
+#: glibc heap policies (`IceCacheConfig.heap_policy`)
+HEAP_POLICIES: tuple[str, ...] = ("trim", "pin", "none")
 
 
 @dataclass
@@ -115,7 +117,7 @@ class IceCacheConfig:
             raise ConfigError(f"IceCacheConfig.gqa must be 'union' or 'per-head', got {self.gqa!r}")
         if self.inserts not in INSERT_MODES:
             raise ConfigError(f"IceCacheConfig.inserts must be one of {', '.join(map(repr, INSERT_MODES))}, got {self.inserts!r}")
-        if self.heap_policy not in ("trim", "pin", "none"):
+        if self.heap_policy not in HEAP_POLICIES:
             raise ConfigError(f"IceCacheConfig.heap_policy must be 'trim', 'pin' or 'none', got {self.heap_policy!r}")
 
     @property
