@@ -102,8 +102,8 @@ def test_the_machine_crossover_is_measured_once_and_stored(tmp_path, monkeypatch
     monkeypatch.setenv("ICECACHE_CACHE", str(tmp_path))
     calls = []
 
-    def fake_measure(head_dim, group, budget, page_size):
-        calls.append((head_dim, group, budget, page_size))
+    def fake_measure(head_dim, group, budget, page_size, select_threads):
+        calls.append((head_dim, group, budget, page_size, select_threads))
         return {"crossover_keys": 300, "grid": [1, 2], "exact_s": [1.0, 2.0], "mdci_s": [2.0, 1.0], "calls": 1, "seconds": 0.0}
 
     monkeypatch.setattr(auto_index, "measure_crossover", fake_measure)
@@ -113,7 +113,11 @@ def test_the_machine_crossover_is_measured_once_and_stored(tmp_path, monkeypatch
     long = torch.randint(3, 128, (1, 400), generator=torch.Generator().manual_seed(1))  # 380 >= 300
     assert _decode(model, cfg, short, 2)[1].stats()["index"] == "exact"
     assert _decode(model, cfg, long, 2)[1].stats()["index"] == "mdci"
-    assert calls == [(16, 4, 32, 8)]  # measured once for this shape, then read back
+    # measured once for this shape and the decode's select threads (1 beside background inserts), then read back
+    from icecache.runtime.workers import background_inserts
+
+    threads = 1 if background_inserts("auto", torch.device("cpu")) else torch.get_num_threads()
+    assert calls == [(16, 4, 32, 8, threads)]
     stored = json.loads((tmp_path / "auto_index.json").read_text())
     assert [e["crossover_keys"] for e in stored.values()] == [300]
     # an unreadable file is measured again and rewritten whole

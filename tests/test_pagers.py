@@ -172,6 +172,30 @@ def test_exact_orders_ties_by_position(n, budget, g, seed):
     assert sel.scores.tolist() == [s[j] for j in ref]
 
 
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 9000), budget=st.integers(1, 300), g=st.integers(1, 4), threads=st.integers(2, 5),
+       seed=st.integers(0, 10_000), ties=st.booleans())
+def test_exact_threaded_scan_selects_the_same_as_one_thread(n, budget, g, threads, seed, ties):
+    """``select_threads`` splits the exact scan over threads (above `MIN_KEYS_PER_THREAD` keys each); the
+    positions, their order and the float scores are the same as the one-thread scan's, bit for bit."""
+    from icecache.indexes.exact import MIN_KEYS_PER_THREAD
+    from icecache.indexes.exact import group_scores as scan
+
+    rng = np.random.default_rng(seed)
+    keys = (rng.integers(-2, 3, (n, 64)) if ties else rng.standard_normal((n, 64))).astype(np.float32)
+    q = rng.standard_normal((g, 64)).astype(np.float32)
+    one, many = make_pager("exact", head_dim=64), make_pager("exact", head_dim=64)
+    many.select_threads = threads
+    for pager in (one, many):
+        pager.build(torch.from_numpy(keys[: n // 2]))
+        pager.insert(torch.from_numpy(keys[n // 2 :]))
+    a, b = one.select(torch.from_numpy(q), budget), many.select(torch.from_numpy(q), budget)
+    assert a.positions.tolist() == b.positions.tolist()
+    assert a.scores.numpy().tobytes() == b.scores.numpy().tobytes()
+    big = np.tile(keys, (-(-2 * MIN_KEYS_PER_THREAD // n) + 1, 1))  # long enough that the parallel scan runs
+    assert scan(q, big, big.shape[0], threads).tobytes() == scan(q, big, big.shape[0], 1).tobytes()
+
+
 @settings(max_examples=60, deadline=None)
 @given(n=st.integers(1024, 6000), k_frac=st.floats(0.0, 0.3), seed=st.integers(0, 10_000), ties=st.booleans(),
        layout=st.sampled_from(["random", "ascending", "sampled_slots_high"]))

@@ -171,6 +171,10 @@ def test_device_bytes_constant_and_one_copy_per_layer_step(tiny_llama, inserts):
     # 4 decode steps pushed 4 tokens out of the window; in the background, the one leaving next was inserted ahead
     assert host == 4 * 2 * (200 + 4 - 4 - 16 + (inserts == "background")) * 16 * 2 * 4
     assert run_more["full_kv_bytes"] == 4 * 2 * 204 * 16 * 2 * 4
+    # a select scans on torch's threads only when no insert worker holds a core
+    threads = 1 if inserts == "background" else torch.get_num_threads()
+    assert run_more["select_threads"] == threads
+    assert {p.select_threads for layer in cache.layers for row in layer.pagers for p in row} == {threads}
     cache.close()
 
 

@@ -137,6 +137,10 @@ class SemanticPager(ABC):
         Journal page layout changes in ``self.table`` (a host store replays them; see `PageTable`).
 
     Not thread-safe: use one pager per (layer, KV head), and one thread at a time per pager.
+
+    ``select_threads`` (default 1): threads a select may use for its scan, where the backend has a parallel one
+    (``exact``, ``sequential``); results never depend on it. The runtime raises it when no background work
+    shares the cores (`icecache.runtime.cache.IceCache`).
     """
 
     #: registry name (set by `icecache.indexes.registry.register_pager`)
@@ -153,6 +157,7 @@ class SemanticPager(ABC):
         self.seed = seed
         self.table = PageTable(self._table_page_size(), record_moves=record_moves)
         self._n = 0
+        self.select_threads = 1
 
     # ------------------------------------------------------------------ public API
     def build(self, keys: ArrayLike) -> None:

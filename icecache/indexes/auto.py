@@ -105,15 +105,16 @@ def crossover_from_times(grid: Sequence[int], exact_s: Sequence[float], mdci_s: 
 
 
 def measure_crossover(head_dim: int, group: int, budget: int, page_size: int, *, grid: Sequence[int] = DEFAULT_GRID,
-                      calls: int = 30, seed: int = 0, cold: bool = True,
+                      calls: int = 30, seed: int = 0, cold: bool = True, select_threads: int = 1,
                       progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Time what one decode step costs each pager per (layer, KV head): one ``select_arrays`` (``group``
     queries, ``budget`` tokens) plus the one-token ``insert`` of the token leaving the window. Gaussian keys
-    ``[n, head_dim]`` for each ``n`` of ``grid``; one thread; median of ``calls``; the two pagers' calls
+    ``[n, head_dim]`` for each ``n`` of ``grid``; one torch thread, and ``select_threads`` for the pagers' own
+    parallel scans (`SemanticPager`); median of ``calls``; the two pagers' calls
     alternate so that the machine's drift hits both alike; ``cold``: each timed call starts from cold caches
     (`EVICT_BYTES` read first, not timed). Returns ``{"crossover_keys", "grid", "exact_s", "mdci_s"`` (select +
     insert per step) ``, "select_s", "insert_s"`` (per pager: the medians of each part) ``, "calls", "cold",
-    "seconds"}``."""
+    "select_threads", "seconds"}``."""
     from icecache.indexes.registry import make_pager
 
     rng = np.random.default_rng(seed)
@@ -140,6 +141,7 @@ def measure_crossover(head_dim: int, group: int, budget: int, page_size: int, *,
             new_keys = torch.from_numpy(rng.standard_normal((calls + 1, 1, head_dim), dtype=np.float32))
             pagers = {name: make_pager(name, head_dim=head_dim, page_size=page_size, seed=seed) for name in CHOICES}
             for pager in pagers.values():
+                pager.select_threads = select_threads
                 pager.build(keys)
                 pager.select_arrays(queries[0], budget, check=False)  # warm-up
                 pager.insert(new_keys[calls], check=False)
@@ -160,5 +162,5 @@ def measure_crossover(head_dim: int, group: int, budget: int, page_size: int, *,
         "grid": list(grid), "exact_s": step["exact"], "mdci_s": step["mdci"],
         "select_s": {name: parts[name]["select"] for name in CHOICES},
         "insert_s": {name: parts[name]["insert"] for name in CHOICES},
-        "calls": calls, "cold": cold, "seconds": round(time.perf_counter() - t_start, 2),
+        "calls": calls, "cold": cold, "select_threads": select_threads, "seconds": round(time.perf_counter() - t_start, 2),
     }

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from numba import njit
+from numba import njit, prange
 
 from icecache.core.capacity import grown_capacity
 from icecache.core.pager import SemanticPager
@@ -39,15 +39,12 @@ def _kth_largest(scores: np.ndarray, k: int) -> np.float32:
     return np.partition(scores, n - k)[n - k]
 
 
-@njit(nogil=True, cache=True, fastmath={"reassoc", "contract"})
-def top_tokens_kernel(queries: np.ndarray, keys: np.ndarray, n: int, budget: int) -> tuple[np.ndarray, np.ndarray]:
-    """The ``min(budget, n)`` best of ``keys[:n]`` ``[n, d]`` for ``queries`` ``[g, d]`` by ``max_g q.k``, best
-    first, ties by position: ``(positions int64, scores float32)``. One pass reads each key once for the whole
-    group; the k-th score is found from a sampled threshold (`_kth_largest`); a stable sort orders the k winners
-    only."""
+@njit(nogil=True, cache=True, fastmath={"reassoc", "contract"}, inline="always")
+def _group_scores(queries: np.ndarray, keys: np.ndarray, lo: int, hi: int, scores: np.ndarray) -> None:
+    """``scores[j] = max_g q_g . keys[j]`` for ``j`` in ``[lo, hi)``: one read of each key row for the group.
+    Inlined into both scans, so a key's score is the same float whatever the thread count."""
     g, d = queries.shape
-    scores = np.empty(n, np.float32)
-    for j in range(n):
+    for j in range(lo, hi):
         best = -np.inf
         for r in range(g):
             s = np.float32(0.0)
@@ -56,6 +53,49 @@ def top_tokens_kernel(queries: np.ndarray, keys: np.ndarray, n: int, budget: int
             if s > best:
                 best = s
         scores[j] = best
+
+
+@njit(nogil=True, cache=True, fastmath={"reassoc", "contract"}, parallel=True)
+def _group_scores_parallel(queries: np.ndarray, keys: np.ndarray, n: int, chunks: int, scores: np.ndarray) -> None:
+    """`_group_scores` over ``[0, n)`` in ``chunks`` contiguous ranges, one per thread (numba ``prange``)."""
+    for c in prange(chunks):
+        _group_scores(queries, keys, c * n // chunks, (c + 1) * n // chunks, scores)
+
+
+@njit(nogil=True, cache=True, fastmath={"reassoc", "contract"})
+def _group_scores_serial(queries: np.ndarray, keys: np.ndarray, n: int, scores: np.ndarray) -> None:
+    _group_scores(queries, keys, 0, n, scores)
+
+
+#: fewest keys per thread for which a parallel scan pays for waking the other threads (measured ~20 us)
+MIN_KEYS_PER_THREAD = 2048
+
+
+def group_scores(queries: np.ndarray, keys: np.ndarray, n: int, threads: int = 1) -> np.ndarray:
+    """``max_g q.k`` of ``keys[:n]`` ``[n, d]`` for ``queries`` ``[g, d]`` (float32 ``[n]``), scanned by up to
+    ``threads`` threads (fewer when ``n`` is small: `MIN_KEYS_PER_THREAD`); the floats do not depend on it."""
+    scores = np.empty(n, np.float32)
+    chunks = max(1, min(threads, n // MIN_KEYS_PER_THREAD))
+    if chunks > 1:
+        _group_scores_parallel(queries, keys, n, chunks, scores)
+    else:
+        _group_scores_serial(queries, keys, n, scores)
+    return scores
+
+
+def top_tokens(queries: np.ndarray, keys: np.ndarray, n: int, budget: int, threads: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """The ``min(budget, n)`` best of ``keys[:n]`` ``[n, d]`` for ``queries`` ``[g, d]`` by ``max_g q.k``, best
+    first, ties by position: ``(positions int64, scores float32)``. The scan (`group_scores`) reads each key
+    once for the whole group, on up to ``threads`` threads; `top_of_scores` picks the winners."""
+    return top_of_scores(group_scores(queries, keys, n, threads), budget)
+
+
+@njit(nogil=True, cache=True)
+def top_of_scores(scores: np.ndarray, budget: int) -> tuple[np.ndarray, np.ndarray]:
+    """The ``min(budget, n)`` best of ``scores`` ``[n]``, best first, ties by position: ``(positions int64,
+    scores float32)``. The k-th score is found from a sampled threshold (`_kth_largest`); a stable sort orders
+    the k winners only."""
+    n = scores.shape[0]
     k = min(budget, n)
     pos = np.empty(k, np.int64)
     if k == n:
@@ -121,9 +161,9 @@ class ExactPager(SemanticPager):
 
     def _top_tokens(self, queries: torch.Tensor, budget: int) -> tuple[np.ndarray, np.ndarray]:
         """The ``min(budget, n)`` best positions for ``queries`` ``[g, d]`` by ``max_g q.k``, best first (ties by
-        position), with their scores (`top_tokens_kernel`: one compiled call, no intra-op threads)."""
+        position), with their scores (`top_tokens`: compiled, on ``select_threads`` threads, no torch op)."""
         q = queries.detach().to(torch.float32).contiguous().numpy()
-        return top_tokens_kernel(q, self._buf.numpy(), self._keys.shape[0], budget)
+        return top_tokens(q, self._buf.numpy(), self._keys.shape[0], budget, self.select_threads)
 
     def _rank_pages(self, queries: torch.Tensor, budget: int) -> tuple[np.ndarray, np.ndarray]:
         pos, vals = self._top_tokens(queries, budget)

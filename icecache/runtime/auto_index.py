@@ -2,7 +2,7 @@
 
 The measurement itself is `icecache.indexes.auto.measure_crossover`; this module stores its result in
 ``$ICECACHE_CACHE/auto_index.json`` (default ``~/.cache/icecache``), one entry per (head width, GQA group,
-budget, page size, torch version, select code version), and measures on first use with a one-line note on stderr (about 10-30 s).
+budget, page size, select threads, torch version, select code version), and measures on first use with a one-line note on stderr (about 10-30 s).
 Delete the file to measure again, or fix the number with ``index_params={"crossover": N}``.
 """
 
@@ -22,9 +22,9 @@ from icecache.indexes.auto import measure_crossover
 FILENAME = "auto_index.json"
 #: Bumped when a pager's select code or the measurement changes (2: the exact scorer became one compiled call;
 #: 3: selects timed from cold caches; 4: the exact scorer finds its k-th score from a sampled threshold; 5: each
-#: pager's one-token insert is timed with its select, the two pagers alternating), so a stored crossover measured
-#: on older code is measured again.
-SELECT_CODE = 5
+#: pager's one-token insert is timed with its select, the two pagers alternating; 6: the exact scan runs on
+#: ``select_threads`` threads), so a stored crossover measured on older code is measured again.
+SELECT_CODE = 6
 
 
 def crossover_path() -> Path:
@@ -33,8 +33,9 @@ def crossover_path() -> Path:
     return cache_root() / FILENAME
 
 
-def shape_key(head_dim: int, group: int, budget: int, page_size: int) -> str:
-    return f"head_dim={head_dim},group={group},budget={budget},page_size={page_size},torch={torch.__version__},select_code={SELECT_CODE}"
+def shape_key(head_dim: int, group: int, budget: int, page_size: int, select_threads: int = 1) -> str:
+    return (f"head_dim={head_dim},group={group},budget={budget},page_size={page_size},select_threads={select_threads},"
+            f"torch={torch.__version__},select_code={SELECT_CODE}")
 
 
 def read_entries(path: Path) -> dict[str, Any]:
@@ -46,17 +47,18 @@ def read_entries(path: Path) -> dict[str, Any]:
     return entries if isinstance(entries, dict) else {}
 
 
-def machine_crossover(head_dim: int, group: int, budget: int, page_size: int) -> int:
-    """Keys per head above which M-DCI selects faster than the exact scorer on this machine, for this shape:
-    read from the stored measurements, else measured now and stored (atomically)."""
+def machine_crossover(head_dim: int, group: int, budget: int, page_size: int, *, select_threads: int = 1) -> int:
+    """Keys per head above which M-DCI selects faster than the exact scorer on this machine, for this shape and
+    the threads a select may use (`SemanticPager`'s ``select_threads``): read from the stored measurements, else
+    measured now and stored (atomically)."""
     path = crossover_path()
-    key = shape_key(head_dim, group, budget, page_size)
+    key = shape_key(head_dim, group, budget, page_size, select_threads)
     entry = read_entries(path).get(key)
     if isinstance(entry, dict) and isinstance(entry.get("crossover_keys"), int):
         return entry["crossover_keys"]
     print(f"icecache: index='auto' measures exact vs mdci select + insert on this machine once ({key}); "
           f"stored in {path}", file=sys.stderr, flush=True)
-    entry = measure_crossover(head_dim, group, budget, page_size)
+    entry = measure_crossover(head_dim, group, budget, page_size, select_threads=select_threads)
     entries = read_entries(path)
     entries[key] = entry
     path.parent.mkdir(parents=True, exist_ok=True)

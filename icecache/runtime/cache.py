@@ -106,6 +106,7 @@ class IceCache(Cache):
         #: insert the token that will leave the window next step on a worker during this step (same result as
         #: inline); None until the first update resolves ``config.inserts`` for the KV's device
         self.prefetch_inserts: bool | None = None
+        self.select_threads: int | None = None  # set at the first decode step (`_set_select_threads`)
         if self.ice.heap_policy == "pin":
             pin_mmap_threshold()
         self.workers = IndexWorkers(self.ice.num_threads)
@@ -153,7 +154,8 @@ class IceCache(Cache):
             if self.auto_crossover is None:
                 from icecache.runtime.auto_index import machine_crossover
 
-                self.auto_crossover = machine_crossover(self.kv_head_dim, self.group, cfg.budget, cfg.page_size)
+                self.auto_crossover = machine_crossover(self.kv_head_dim, self.group, cfg.budget, cfg.page_size,
+                                                        select_threads=self._select_threads())
             self.index = choose_index(max(0, context_tokens - cfg.sink - cfg.window), self.auto_crossover)
         return self.index
 
@@ -288,9 +290,25 @@ class IceCache(Cache):
             self._t_prefill_done = time.perf_counter()
         steps = self.accounting.start_step()
         self.workers.release_build_threads()  # the prefill is over (see `IndexWorkers.release_build_threads`)
+        if steps == 1:
+            self._set_select_threads()
         self._shared.clear()
         if self.ice.heap_policy == "trim" and steps % TRIM_EVERY == 0:
             trim_heap()
+
+    def _select_threads(self) -> int:
+        return 1 if self.prefetch_inserts else torch.get_num_threads()
+
+    def _set_select_threads(self) -> None:
+        """Let the selects scan on torch's intra-op threads when the decode inserts run inline: between two
+        torch ops of the decode thread the other cores are idle. With background inserts a select keeps to one
+        thread: the insert worker holds a core (``stats()["select_threads"]``)."""
+        self.select_threads = self._select_threads()
+        for layer, kind in zip(self.layers, self.kind):
+            if kind == "sparse" and layer.is_initialized:
+                for row in layer.pagers:
+                    for pager in row:
+                        pager.select_threads = self.select_threads
 
     def shared_selection(self, layer_idx: int) -> dict[str, Any] | None:
         """The selection slot for IceCache(r): None when every layer selects for itself."""
@@ -354,6 +372,7 @@ class IceCache(Cache):
             "layers": {k: self.kind.count(k) for k in ("sparse", "dense", "sliding")},
             "index": self.index,
             "inserts": {None: "not started", True: "background", False: "inline"}[self.prefetch_inserts],
+            "select_threads": self.select_threads,
         }
         if self.ice.index == AUTO:
             out["auto_crossover_keys"] = self.auto_crossover
