@@ -343,7 +343,17 @@ class PageTable:
         return int(self.sizes_[page_id])
 
     def _take_id(self) -> int:
-        return int(self._take_ids(1)[0])
+        """`_take_ids` of one, without its array work (a decode step opens a page per (layer, KV head))."""
+        if self._free:
+            page_id = self._free.pop()
+        else:
+            page_id = self._num_ids
+            self._num_ids += 1
+            if self._num_ids > len(self.sizes_):
+                self._grow_ids(self._num_ids)
+        self.sizes_[page_id] = 0
+        self.members[page_id] = -1
+        return page_id
 
     def _take_ids(self, count: int) -> np.ndarray:
         """``count`` fresh empty pages: recycled ids first (in free-list pop order), then new ids in order."""
@@ -351,12 +361,7 @@ class PageTable:
         start = self._num_ids
         self._num_ids += count - len(reused)
         if self._num_ids > len(self.sizes_):
-            cap = grown_capacity(self._num_ids, len(self.sizes_))
-            members = np.full((cap, self.page_size), -1, dtype=np.int64)
-            members[: len(self.members)] = self.members
-            sizes = np.full(cap, -1, dtype=np.int64)
-            sizes[: len(self.sizes_)] = self.sizes_
-            self.members, self.sizes_ = members, sizes
+            self._grow_ids(self._num_ids)
         ids = np.concatenate([np.asarray(reused, dtype=np.int64), np.arange(start, self._num_ids, dtype=np.int64)])
         self.sizes_[ids] = 0
         self.members[ids] = -1
@@ -374,6 +379,14 @@ class PageTable:
                 self._moves.append(Move(last, page_id, n, page_id, slot))
         if n == 0:
             self.free_page(page_id)
+
+    def _grow_ids(self, n: int) -> None:
+        cap = grown_capacity(n, len(self.sizes_))
+        members = np.full((cap, self.page_size), -1, dtype=np.int64)
+        members[: len(self.members)] = self.members
+        sizes = np.full(cap, -1, dtype=np.int64)
+        sizes[: len(self.sizes_)] = self.sizes_
+        self.members, self.sizes_ = members, sizes
 
     def _grow_positions(self, n: int) -> None:
         if n > len(self.page_of_):

@@ -152,12 +152,13 @@ class ExactPager(SemanticPager):
             grown = torch.empty(grown_capacity(n, self._buf.shape[0]), self.head_dim)
             grown[:start] = self._buf[:start]
             self._buf = grown
-        self._buf[start:n] = keys
         self._keys = self._buf[:n]
-        if keys.shape[0] == 1:
+        if keys.shape[0] == 1:  # the decode step's insert: numpy's row copy costs a fraction of torch's
+            self._buf.numpy()[start] = keys.numpy()[0]
             self.table.new_page((start,))
-        else:
-            self.table.new_pages(np.arange(start, n).reshape(-1, 1))
+            return
+        self._buf[start:n] = keys
+        self.table.new_pages(np.arange(start, n).reshape(-1, 1))
 
     def _top_tokens(self, queries: torch.Tensor, budget: int) -> tuple[np.ndarray, np.ndarray]:
         """The ``min(budget, n)`` best positions for ``queries`` ``[g, d]`` by ``max_g q.k``, best first (ties by
