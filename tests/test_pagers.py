@@ -338,3 +338,27 @@ def test_pq_selection_equals_brute_force_over_its_own_codes(n, g, budget, seed):
     tol = 1e-6
     assert (probs.numpy()[chosen] >= kth - tol).all()  # every chosen token is among the top k (ties allowed)
     assert (probs.numpy() > kth + tol).sum() <= k and set(np.flatnonzero(probs.numpy() > kth + tol)) <= set(chosen.tolist())
+
+
+@settings(max_examples=20, deadline=None)
+@given(n=st.integers(1, 9000), budget=st.integers(1, 300), heads=st.integers(1, 4), threads=st.integers(1, 3),
+       seed=st.integers(0, 10_000), ties=st.booleans())
+def test_exact_layer_select_equals_each_pagers_own(n, budget, heads, threads, seed, ties):
+    """The runtime's one-call selection of a layer row (``select_layer`` through
+    ``ExactPager.select_layer_positions``) gives every head the positions, page offsets and pages of that
+    pager's own `select_arrays`."""
+    from icecache.runtime.selection import select_layer
+
+    rng = np.random.default_rng(seed)
+    pagers = [make_pager("exact", head_dim=16) for _ in range(heads)]
+    for pager in pagers:
+        pager.select_threads = threads
+        keys = (rng.integers(-2, 3, (n, 16)) if ties else rng.standard_normal((n, 16))).astype(np.float32)
+        pager.build(torch.from_numpy(keys))
+    q = torch.from_numpy(rng.standard_normal((1, heads, 3, 16)).astype(np.float32))
+    sel = select_layer([pagers], q, budget, "union", layer_idx=0, keep_pages=True)
+    for h, pager in enumerate(pagers):
+        pages, indptr, positions, _ = pager.select_arrays(q[0, h], budget, check=False)
+        assert sel.positions[0][h].tolist() == positions.tolist()
+        assert sel.indptrs[0][h].tolist() == indptr.tolist()
+        assert sel.pages[0][h].tolist() == pages.tolist()

@@ -126,6 +126,41 @@ def top_of_scores(scores: np.ndarray, budget: int) -> tuple[np.ndarray, np.ndarr
     return out_pos, out_vals
 
 
+@njit(nogil=True, cache=True, fastmath={"reassoc", "contract"}, parallel=True)
+def _layer_top_parallel(queries: np.ndarray, keys: tuple, n: int, budget: int, chunks: int) -> np.ndarray:
+    """`layer_top_tokens` on numba's threads: the scans of every (head, chunk) first, then each head's top-k."""
+    heads = queries.shape[0]
+    scores = np.empty((heads, n), np.float32)
+    for t in prange(heads * chunks):
+        h, c = t // chunks, t % chunks
+        _group_scores(queries[h], keys[h], c * n // chunks, (c + 1) * n // chunks, scores[h])
+    out = np.empty((heads, min(budget, n)), np.int64)
+    for h in prange(heads):
+        out[h] = top_of_scores(scores[h], budget)[0]
+    return out
+
+
+@njit(nogil=True, cache=True, fastmath={"reassoc", "contract"})
+def _layer_top_serial(queries: np.ndarray, keys: tuple, n: int, budget: int) -> np.ndarray:
+    heads = queries.shape[0]
+    scores = np.empty(n, np.float32)
+    out = np.empty((heads, min(budget, n)), np.int64)
+    for h in range(heads):
+        _group_scores(queries[h], keys[h], 0, n, scores)
+        out[h] = top_of_scores(scores, budget)[0]
+    return out
+
+
+def layer_top_tokens(queries: np.ndarray, keys: tuple[np.ndarray, ...], n: int, budget: int, threads: int = 1) -> np.ndarray:
+    """`top_tokens` for every KV head of a layer in one compiled call: ``queries`` ``[H, g, d]`` float32, ``keys``
+    one ``[>= n, d]`` float32 buffer per head (the first ``n`` rows live). Returns positions ``[H, min(budget,
+    n)]`` int64, each row best first, ties by position: the same as `top_tokens` head by head, bit for bit."""
+    chunks = max(1, min(threads, n // MIN_KEYS_PER_THREAD))
+    if threads > 1 and len(keys) * n >= 2 * MIN_KEYS_PER_THREAD:  # enough work for a second thread
+        return _layer_top_parallel(queries, keys, n, budget, chunks)
+    return _layer_top_serial(queries, keys, n, budget)
+
+
 @register_pager("exact")
 class ExactPager(SemanticPager):
     """Top-``budget`` tokens by ``max_g q.k``, each token a page of one (``page_size`` is ignored)."""
@@ -174,6 +209,18 @@ class ExactPager(SemanticPager):
         # Every page holds one token, so the budget rule takes all min(budget, n) ranked tokens: no CSR pass.
         pos, vals = self._top_tokens(queries, budget)
         return self.table.page_of_[pos], np.arange(pos.size + 1, dtype=np.int64), pos, vals
+
+    @staticmethod
+    def select_layer_positions(pagers: list[ExactPager], queries: torch.Tensor, budget: int) -> list[np.ndarray] | None:
+        """Positions for every pager of one layer row at once (``queries`` ``[H, g, d]`` float32, host), the
+        union-GQA `select_arrays` of each in one compiled call (`layer_top_tokens`); None when the pagers
+        differ in size or are empty (select them one by one)."""
+        n = len(pagers[0])
+        if n == 0 or budget <= 0 or any(len(p) != n for p in pagers):
+            return None
+        keys = tuple(p._buf.numpy() for p in pagers)
+        top = layer_top_tokens(queries.numpy(), keys, n, budget, pagers[0].select_threads)
+        return list(top)
 
     def index_bytes(self) -> int:
         return self._keys.numel() * self._keys.element_size()

@@ -59,6 +59,12 @@ def select_layer(pagers: list[list[Any]], queries: torch.Tensor, budget: int, gq
     B, H = q_host.shape[:2]
     sel = LayerSelection([], [], [])
     for b in range(B):
+        fused = select_row_at_once(pagers[b], q_host[b], budget, gqa, keep_pages)
+        if fused is not None:
+            sel.positions.append(fused.positions[0])
+            sel.indptrs.append(fused.indptrs[0])
+            sel.pages.append(fused.pages[0])
+            continue
         prow, irow, grow = [], [], []
         for h in range(H):
             pages, indptr, positions = select_pages(pagers[b][h], q_host[b, h], budget, gqa)
@@ -69,6 +75,23 @@ def select_layer(pagers: list[list[Any]], queries: torch.Tensor, budget: int, gq
         sel.indptrs.append(irow)
         sel.pages.append(grow)
     return sel
+
+
+def select_row_at_once(pagers: list[Any], queries: torch.Tensor, budget: int, gqa: str,
+                       keep_pages: bool) -> LayerSelection | None:
+    """One row's selection for every KV head in one call, where the pagers' class offers it
+    (``select_layer_positions``: ``exact``, whose pages are single tokens) and the GQA rule is ``"union"``;
+    None otherwise (select head by head). ``queries`` ``[H, n_rep, D]`` float32, host."""
+    kind = type(pagers[0])
+    fused = getattr(kind, "select_layer_positions", None)
+    if fused is None or gqa != "union" or any(type(p) is not kind for p in pagers):
+        return None
+    positions = fused(pagers, queries, budget)
+    if positions is None:
+        return None
+    indptr = np.arange(len(positions[0]) + 1, dtype=np.int64)  # one token per page
+    pages = [p.table.page_of_[pos] for p, pos in zip(pagers, positions)] if keep_pages else [None] * len(pagers)
+    return LayerSelection([positions], [[indptr] * len(pagers)], [pages])
 
 
 COUNTERS = ("steps", "bytes_copied", "copies", "layer_steps", "pages_copied", "pages_selected", "pages_reused",
