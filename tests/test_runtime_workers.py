@@ -105,3 +105,35 @@ def test_decode_releases_the_build_threads_and_reports_the_insert_mode(inserts) 
         cache.check_conservation()
     finally:
         cache.close()
+
+
+@pytest.mark.parametrize("index", ["exact", "mdci", "sequential"])
+def test_inline_and_background_inserts_decode_the_same_tokens(index) -> None:
+    """Where the decode inserts run changes timing only: greedy tokens and logits are the same (the RULER
+    runner leaves ``inserts`` out of a run's settings for this reason)."""
+    from conftest import make_tiny_llama
+
+    from icecache import IceCache, IceCacheConfig
+    from icecache.runtime.attention import use_attention
+
+    model = make_tiny_llama(seed=1)
+    ids = torch.randint(3, 128, (1, 160), generator=torch.Generator().manual_seed(2))
+    runs = {}
+    for inserts in ("inline", "background"):
+        cache = IceCache(model.config, IceCacheConfig(index=index, budget=24, page_size=4, window=16, dense_layers=(),
+                                                      inserts=inserts))
+        tokens, logits = [], []
+        try:
+            with use_attention(model), torch.no_grad():
+                out = model(ids, past_key_values=cache, use_cache=True)
+                for _ in range(24):
+                    token = out.logits[:, -1:].argmax(-1)
+                    tokens.append(int(token))
+                    logits.append(out.logits[0, -1])
+                    out = model(token, past_key_values=cache, use_cache=True)
+            assert cache.stats()["inserts"] == inserts
+        finally:
+            cache.close()
+        runs[inserts] = (tokens, torch.stack(logits))
+    assert runs["inline"][0] == runs["background"][0]
+    assert torch.equal(runs["inline"][1], runs["background"][1])

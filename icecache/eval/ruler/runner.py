@@ -51,7 +51,8 @@ class RulerSpec:
         """The settings a prediction depends on (not which units are asked for)."""
         cfg = self.config.to_dict()
         cfg.pop("budget")  # varies per unit
-        cfg.pop("threads")  # results do not depend on threads
+        cfg.pop("threads")  # results do not depend on threads ...
+        cfg.pop("inserts")  # ... nor on where decode inserts run (tests/test_runtime_workers.py)
         return {"model": self.model, "seed": self.seed, "config": cfg, "chat_template": self.chat_template}
 
 
