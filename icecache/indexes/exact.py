@@ -211,16 +211,18 @@ class ExactPager(SemanticPager):
         return self.table.page_of_[pos], np.arange(pos.size + 1, dtype=np.int64), pos, vals
 
     @staticmethod
-    def select_layer_positions(pagers: list[ExactPager], queries: torch.Tensor, budget: int) -> list[np.ndarray] | None:
-        """Positions for every pager of one layer row at once (``queries`` ``[H, g, d]`` float32, host), the
-        union-GQA `select_arrays` of each in one compiled call (`layer_top_tokens`); None when the pagers
-        differ in size or are empty (select them one by one)."""
+    def select_layer_positions(pagers: list[ExactPager], queries: torch.Tensor,
+                               budget: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None:
+        """``(pages, indptr, positions)`` for every pager of one layer row at once (``queries`` ``[H, g, d]``
+        float32, host): each pager's union-GQA `select_arrays` without scores, all in one compiled call
+        (`layer_top_tokens`); None when the pagers differ in size or are empty (select them one by one)."""
         n = len(pagers[0])
         if n == 0 or budget <= 0 or any(len(p) != n for p in pagers):
             return None
         keys = tuple(p._buf.numpy() for p in pagers)
         top = layer_top_tokens(queries.numpy(), keys, n, budget, pagers[0].select_threads)
-        return list(top)
+        indptr = np.arange(top.shape[1] + 1, dtype=np.int64)  # every page holds one token
+        return [(p.table.page_of_[pos], indptr, pos) for p, pos in zip(pagers, top)]
 
     def index_bytes(self) -> int:
         return self._keys.numel() * self._keys.element_size()

@@ -80,18 +80,17 @@ def select_layer(pagers: list[list[Any]], queries: torch.Tensor, budget: int, gq
 def select_row_at_once(pagers: list[Any], queries: torch.Tensor, budget: int, gqa: str,
                        keep_pages: bool) -> LayerSelection | None:
     """One row's selection for every KV head in one call, where the pagers' class offers it
-    (``select_layer_positions``: ``exact``, whose pages are single tokens) and the GQA rule is ``"union"``;
-    None otherwise (select head by head). ``queries`` ``[H, n_rep, D]`` float32, host."""
+    (``select_layer_positions``, e.g. ``exact``) and the GQA rule is ``"union"``; None otherwise (select head by
+    head). ``queries`` ``[H, n_rep, D]`` float32, host."""
     kind = type(pagers[0])
     fused = getattr(kind, "select_layer_positions", None)
     if fused is None or gqa != "union" or any(type(p) is not kind for p in pagers):
         return None
-    positions = fused(pagers, queries, budget)
-    if positions is None:
+    heads = fused(pagers, queries, budget)
+    if heads is None:
         return None
-    indptr = np.arange(len(positions[0]) + 1, dtype=np.int64)  # one token per page
-    pages = [p.table.page_of_[pos] for p, pos in zip(pagers, positions)] if keep_pages else [None] * len(pagers)
-    return LayerSelection([positions], [[indptr] * len(pagers)], [pages])
+    return LayerSelection([[positions for _, _, positions in heads]], [[indptr for _, indptr, _ in heads]],
+                          [[pages if keep_pages else None for pages, _, _ in heads]])
 
 
 COUNTERS = ("steps", "bytes_copied", "copies", "layer_steps", "pages_copied", "pages_selected", "pages_reused",
