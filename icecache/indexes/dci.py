@@ -169,10 +169,11 @@ class DCIIndex:
         """Index ``data`` ``[n, d]`` (float; n may be 0) from scratch; ids ``0..n-1``. Clears the page table."""
         dci_build.build(self.tree, _as_data(data, self.dim, "data"))
 
-    def insert(self, data: Any) -> None:
+    def insert(self, data: Any, *, check: bool = True) -> None:
         """Add ``data`` ``[m, d]``; ids continue ``len .. len + m - 1``. Each point gets the next level of the
-        schedule and is inserted as described in the module docstring."""
-        dci_update.insert(self.tree, _as_data(data, self.dim, "data"))
+        schedule and is inserted as described in the module docstring. ``check=False`` skips validation: only
+        for a finite, C-contiguous float32 numpy array of the right shape (a pager's checked insert)."""
+        dci_update.insert(self.tree, _as_data(data, self.dim, "data") if check else data)
 
     def query(self, q: Any, k: int, *, config: SearchConfig | None = None) -> tuple[np.ndarray, np.ndarray]:
         """The ``min(k, n)`` nearest points of ``q`` ``[d]`` (or a group ``[g, d]``: distance = min over it).

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from numba import njit
 
 from icecache.core.capacity import grown_capacity
 from icecache.core.pages import PageTable
@@ -251,6 +252,10 @@ class DCITree:
             projections += ext[:, None] * self.dirs[None, :, self.dim]
         self.proj[ids] = projections.astype(np.float32)
 
+    def lift_one(self, point: int) -> None:
+        """`lift` of one id, compiled (a decode step's insert lifts one point per (layer, KV head))."""
+        _lift_point(point, self.vectors, self.dirs, self.dim, float(self.msq), self.mips, self.ext, self.proj)
+
     def query_proj(self, Q: np.ndarray) -> np.ndarray:
         """Query projections ``[g, M]`` float64. MIPS: of ``c q / |q|`` with ``c = sqrt(msq)`` (a zero query
         projects to 0). MD projects ``q / |q|`` (norm 1) against keys of norm c, which leaves the nearest
@@ -380,3 +385,22 @@ class DCITree:
 
 
 __all__ = ["DCITree"]
+
+
+@njit(nogil=True, cache=True)
+def _lift_point(point: int, vectors: np.ndarray, dirs: np.ndarray, dim: int, msq: float, mips: bool, ext: np.ndarray,
+                proj: np.ndarray) -> None:
+    """`DCITree.lift` of the one id ``point``: float64 sums, stored as float32 (``ext`` only for MIPS)."""
+    sq = 0.0
+    for i in range(dim):
+        sq += np.float64(vectors[point, i]) * np.float64(vectors[point, i])
+    lifted = math.sqrt(max(msq - sq, 0.0)) if mips else 0.0
+    if mips:
+        ext[point] = lifted
+    for m in range(dirs.shape[0]):
+        s = 0.0
+        for i in range(dim):
+            s += np.float64(vectors[point, i]) * dirs[m, i]
+        if mips:
+            s += lifted * dirs[m, dim]
+        proj[point, m] = s

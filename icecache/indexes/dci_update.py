@@ -63,7 +63,7 @@ def _insert_one(tree: DCITree, vector: np.ndarray, sq_norm: float, level: int, n
     tree.cluster_start[point + 1] = 0
     tree.cluster_size[point + 1] = 0
     tree.cluster_cap[point + 1] = 0
-    tree.lift(np.array([point]))
+    tree.lift_one(point)
     if new_top:
         # The new point is the only node of a new top level and adopts every old top node.
         old_tops = tree.cluster_run0(0)

@@ -138,7 +138,7 @@ class MDCIPager(SemanticPager):
     def _insert(self, keys: torch.Tensor, start: int) -> None:
         if start != len(self.index):  # the base class numbers positions; the index numbers ids: they agree
             raise RuntimeError(f"mdci: position {start} != index size {len(self.index)} (internal bug)")
-        self.index.insert(keys.numpy())
+        self.index.insert(keys.numpy(), check=False)  # `SemanticPager.insert` has checked or was told it may skip
 
     def _rank_pages(self, queries: torch.Tensor, budget: int) -> tuple[np.ndarray, np.ndarray]:
         return self.index.rank_pages(queries.numpy(), budget)
