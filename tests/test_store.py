@@ -92,3 +92,25 @@ def test_decode_inserts_after_a_build_do_not_reallocate(name):
     assert {k for k in before if before[k] != after[k]} == set(), name
     k, _ = store.read(np.arange(n + len(extra)))
     assert torch.equal(k[:n], keys) and torch.equal(k[n:], extra)
+
+
+@settings(max_examples=8, deadline=None)
+@given(n0=st.integers(0, 120), inserts=st.integers(1, 150), page_size=st.integers(1, 8), seed=st.integers(0, 3))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", PAGERS)
+def test_one_token_inserts_keep_every_position_in_any_dtype(name, dtype, n0, inserts, page_size, seed):
+    """Decode inserts one token at a time; every page edit they cause (splits, merges, adoptions) is replayed by
+    `sync` (numpy copies of the pool's raw bytes): afterwards every position reads back its own K/V, in the
+    store's dtype (16-bit floats copied as bits, never through float arithmetic)."""
+    rng = np.random.default_rng(seed)
+    keys = torch.from_numpy(rng.standard_normal((n0 + inserts, 8), dtype=np.float32))
+    values = torch.from_numpy(rng.standard_normal((n0 + inserts, 8), dtype=np.float32))
+    pager = make_pager(name, head_dim=8, page_size=page_size, seed=seed, record_moves=True)
+    pager.build(keys[:n0])
+    store = HeadStore(pager.table, 8, dtype)
+    store.sync(pager.table.take_moves(), keys[:n0], values[:n0], first_new=0)
+    for i in range(n0, n0 + inserts):
+        pager.insert(keys[i : i + 1])
+        store.sync(pager.table.take_moves(), keys[i : i + 1].to(dtype), values[i : i + 1], first_new=i)
+    k, v = store.read(np.arange(n0 + inserts))
+    assert k.dtype == dtype and torch.equal(k, keys.to(dtype)) and torch.equal(v, values.to(dtype))

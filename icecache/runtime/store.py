@@ -20,6 +20,14 @@ from icecache.core.capacity import grown_capacity
 from icecache.core.pages import Move, PageTable
 
 
+def raw_numpy(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of a CPU tensor's memory: float32 (and other numpy dtypes) as is, bfloat16 / float16 as their
+    bits (``int16``): for copying rows, not for arithmetic."""
+    if t.dtype in (torch.bfloat16, torch.float16):
+        return t.view(torch.int16).numpy()
+    return t.numpy()
+
+
 @njit(nogil=True, cache=True)
 def _flat_rows(page_of, slot_of, block_of, page_size, positions):
     """Row of each position in a store's flat view; -1 for a position with no page or no block."""
@@ -43,6 +51,7 @@ class HeadStore:
         self.dtype = dtype
         self.pin = pin
         self.pool = self._alloc(0)
+        self._raw: tuple[torch.Tensor, np.ndarray] | None = None  # (pool, its `raw_rows`) while the pool lives
         self.block_of = np.full(0, -1, dtype=np.int64)
         self._free_blocks: list[int] = []
         self._num_blocks = 0  # blocks handed out at least once
@@ -57,43 +66,37 @@ class HeadStore:
             self._place_new(moves, new_k, new_v, first_new)  # the decode-time common case: appends only
             return
         arr = np.asarray(moves, dtype=np.int64).reshape(-1, 5)
-        pos_all = arr[:, 0]
         # The first move of each position tells where its data was before this batch.
-        pos, first = np.unique(pos_all, return_index=True)
+        pos, first = np.unique(arr[:, 0], return_index=True)
         src_page, src_slot = arr[first, 1], arr[first, 2]
         is_new = src_page < 0
         P = self.page_size
-        flat = self.flat_view()
+        rows = self.raw_rows()
         # ---- read every source first
-        data = torch.empty(len(pos), 2, self.head_dim, dtype=self.dtype)
+        data = np.empty((len(pos), 2, self.head_dim), rows.dtype)
         old = ~is_new
         if old.any():
-            assert (self.block_of[src_page[old]] >= 0).all(), "a move reads a page with no block (journal out of sync)"
-            src = self.block_of[src_page[old]] * P + src_slot[old]
-            data[torch.from_numpy(np.flatnonzero(old))] = flat[torch.from_numpy(src)]
+            blocks = self.block_of[src_page[old]]
+            assert (blocks >= 0).all(), "a move reads a page with no block (journal out of sync)"
+            data[old] = rows[blocks * P + src_slot[old]]
         if is_new.any():
             assert new_k is not None and new_v is not None, "new positions need their K/V"
-            idx = torch.from_numpy(pos[is_new] - first_new)
-            sel = torch.from_numpy(np.flatnonzero(is_new))
-            data[sel, 0] = new_k.index_select(0, idx).to(self.dtype)
-            data[sel, 1] = new_v.index_select(0, idx).to(self.dtype)
+            idx = pos[is_new] - first_new
+            data[is_new, 0] = self._raw_new(new_k)[idx]
+            data[is_new, 1] = self._raw_new(new_v)[idx]
         # ---- release blocks of pages that no longer exist, then place every position where it now lives
-        touched = np.unique(np.concatenate([arr[:, 1], arr[:, 3]]))
+        touched = np.unique(arr[:, [1, 3]])
         touched = touched[touched >= 0]
         self._grow_block_map(self.table.id_capacity)
-        for page in touched:
-            if self.table.sizes_[page] < 0 and self.block_of[page] >= 0:
-                self._free_blocks.append(int(self.block_of[page]))
-                self.block_of[page] = -1
-        dst_page = self.table.page_of(pos)
-        dst_slot = self.table.slot_of(pos)
+        dead = touched[(self.table.sizes_[touched] < 0) & (self.block_of[touched] >= 0)]
+        self._free_blocks.extend(self.block_of[dead].tolist())
+        self.block_of[dead] = -1
+        dst_page, dst_slot = self.table.page_of_[pos], self.table.slot_of_[pos]
         live = dst_page >= 0
-        for page in np.unique(dst_page[live]):
-            if self.block_of[page] < 0:
-                self.block_of[page] = self._take_block()
-        flat = self.flat_view()  # the pool may have grown
-        dst = torch.from_numpy(self.block_of[dst_page[live]] * P + dst_slot[live])
-        flat[dst] = data[torch.from_numpy(np.flatnonzero(live))]
+        homeless = np.unique(dst_page[live])
+        for page in homeless[self.block_of[homeless] < 0].tolist():
+            self.block_of[page] = self._take_block()
+        self.raw_rows()[self.block_of[dst_page[live]] * P + dst_slot[live]] = data[live]  # the pool may have grown
 
     def load_layout(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Fill an empty store from the table's current layout in one pass: positions ``0..n-1`` take
@@ -125,12 +128,12 @@ class HeadStore:
         for m in moves:
             if self.block_of[m.dst_page] < 0:
                 self.block_of[m.dst_page] = self._take_block()
-        flat = self.flat_view()
+        rows = self.raw_rows()
+        keys, values = self._raw_new(new_k), self._raw_new(new_v)
         for m in moves:
-            row = flat[int(self.block_of[m.dst_page]) * self.page_size + m.dst_slot]
-            i = m.position - first_new
-            row[0].copy_(new_k[i])
-            row[1].copy_(new_v[i])
+            row = int(self.block_of[m.dst_page]) * self.page_size + m.dst_slot
+            rows[row, 0] = keys[m.position - first_new]
+            rows[row, 1] = values[m.position - first_new]
 
     # ------------------------------------------------------------------ reads
     def flat_index(self, positions: np.ndarray) -> np.ndarray:
@@ -139,6 +142,17 @@ class HeadStore:
                           np.ascontiguousarray(positions, dtype=np.int64))
         assert (rows >= 0).all(), "position not in the host store"
         return rows
+
+    def _raw_new(self, rows: torch.Tensor) -> np.ndarray:
+        """New K or V rows ``[m, head_dim]`` in the store's dtype, as `raw_numpy` (no copy when already so)."""
+        return raw_numpy(rows if rows.dtype == self.dtype else rows.to(self.dtype))
+
+    def raw_rows(self) -> np.ndarray:
+        """`flat_view` as a numpy array over the same memory ``[rows, 2, head_dim]``: float32 as is, 16-bit floats
+        as their bits (``int16``, for copying only). Cached while the pool lives (a grown pool is a new one)."""
+        if self._raw is None or self._raw[0] is not self.pool:
+            self._raw = (self.pool, raw_numpy(self.flat_view()))
+        return self._raw[1]
 
     def flat_view(self) -> torch.Tensor:
         """The pool as ``[num_blocks * page_size, 2, head_dim]`` (K at ``[:, 0]``, V at ``[:, 1]``)."""
