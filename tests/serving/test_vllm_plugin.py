@@ -36,6 +36,14 @@ LONG = [p["prompt_token_ids"] for p in REFERENCE["prompts"]]
 NEW = REFERENCE["new_tokens"]
 
 
+#: a vllm_gen.py process may take START_S plus PREFILL_S_PER_TOKEN per prompt token. Measured on 2 cores: an
+#: engine start ~35-50 s; vLLM's CPU prefill ~8 ms per token of a 4k prompt on an AVX2 machine (AMD EPYC, the
+#: "vec" attention ISA: 21 prompts of ~4k tokens in 678 s), several times less with AVX-512/AMX. The limit
+#: leaves ~4x on AVX2 so that a slow CI machine does not fail a correct run (a flat 900 s did, at 21 x 4k).
+START_S = 900
+PREFILL_S_PER_TOKEN = 0.03
+
+
 def run_vllm(tmp: Path, *, plugin: bool, additional_config: dict | None, prompts: list, max_tokens: int = NEW,
              expect_fail: bool = False, **request: object) -> dict:
     """Generate greedily in a fresh vLLM process; returns vllm_gen.py's output (or ``{"log": ...}`` when it
@@ -48,8 +56,14 @@ def run_vllm(tmp: Path, *, plugin: bool, additional_config: dict | None, prompts
     (tmp / "req.json").write_text(json.dumps(req))
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="2",
                VLLM_PLUGINS="icecache" if plugin else "none")
-    proc = subprocess.run([sys.executable, str(HERE / "vllm_gen.py"), "req.json", "out.json"], cwd=tmp, env=env,
-                          capture_output=True, text=True, timeout=900)
+    prompt_tokens = sum(len(p) if isinstance(p, list) else len(p.split()) for p in prompts)
+    timeout = START_S + PREFILL_S_PER_TOKEN * prompt_tokens
+    try:
+        proc = subprocess.run([sys.executable, str(HERE / "vllm_gen.py"), "req.json", "out.json"], cwd=tmp, env=env,
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        tail = ((e.stdout or b"") + (e.stderr or b"")).decode(errors="replace")[-3000:]
+        raise AssertionError(f"vllm_gen.py ran past {timeout:.0f} s ({prompt_tokens} prompt tokens); log tail:\n{tail}") from None
     log = proc.stdout + proc.stderr
     (tmp / "log.txt").write_text(log)
     if expect_fail:
