@@ -30,6 +30,7 @@ FLAG_VALUES = {
     "--seed": ("7", 7),
     "--heap-policy": ("none", "none"),
     "--inserts": ("inline", "inline"),
+    "--top-p": ("0.9", 0.9),
 }
 
 
@@ -98,8 +99,9 @@ def test_eval_index_and_params_reach_the_icecache_methods(prefill_and_model):
 def test_shared_fields_reach_every_method(prefill_and_model, method):
     model, prefill = prefill_and_model
     argv = ["--page-size", "8", "--sink", "2", "--window", "24", "--dense-layers", "0,3", "--threads", "1", "--seed", "5",
-            "--heap-policy", "none", "--reuse-every", "3"]
+            "--heap-policy", "none", "--reuse-every", "3", "--top-p", "0.8"]
     ice, _ = _cache_config(model, prefill, method, argv)
+    assert ice.top_p == (None if method in ("streaming", "snapkv") else 0.8)  # their pages are not the query's
     expected_window = 24 + 16 if method == "streaming" else 24  # streaming: the budget slots join the window
     assert (ice.page_size, ice.sink, ice.window, ice.dense_layers) == (8, 2, expected_window, (0, 3))
     assert (ice.threads, ice.seed, ice.heap_policy, ice.reuse_every) == (1, 5, "none", 3)
@@ -116,6 +118,8 @@ def test_icecache_r_reuses_two_layers_unless_told_otherwise(prefill_and_model):
     (["eval", "passkey", "--index", "ivf", "--methods", "full,quest"], "none of --methods"),
     (["eval", "passkey", "--index-params", "nprobe=2", "--methods", "exact"], "none of --methods"),
     (["eval", "passkey", "--window", "32", "--methods", "full"], "no effect"),
+    (["eval", "passkey", "--top-p", "0.9", "--methods", "full,snapkv,streaming"], "none of --methods"),
+    (["generate", "hi", "--top-p", "1.5"], "IceCacheConfig.top_p must be None or a number in (0, 1]"),
     (["eval", "passkey", "--variants", "single"], "applies to eval needle"),
     (["eval", "needle", "--depths", "0.5"], "applies to eval passkey"),
     (["eval", "passkey", "--decode-tokens", "9"], "applies to eval ppl/longgen"),

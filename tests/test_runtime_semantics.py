@@ -83,9 +83,9 @@ def _attended_positions(model, ids, cfg, steps: int):
     selected: list[int] = []
     real_select = layer_module.select_layer
 
-    def spy_select(pagers, queries, budget, gqa, *, layer_idx, keep_pages=False):
+    def spy_select(pagers, queries, budget, gqa, *, layer_idx, **kw):
         selected.append(layer_idx)
-        return real_select(pagers, queries, budget, gqa, layer_idx=layer_idx, keep_pages=keep_pages)
+        return real_select(pagers, queries, budget, gqa, layer_idx=layer_idx, **kw)
 
     for layer_idx, kind in enumerate(cache.kind):
         if kind != "sparse":

@@ -69,6 +69,10 @@ class IceCacheConfig:
         it) or when torch's intra-op threads leave a CPU core free, inline otherwise. On a CPU whose cores all
         run the model's ops, a worker takes a core from them: inline was 5-13 ms per step faster on 2 cores
         (``experiments/bench_runtime/README.md``, question 4). ``stats()["inserts"]`` says which ran.
+    top_p : float or None
+        Adaptive budget (off by default): of the pages a step selects within ``budget``, keep only the
+        best-ranked ones whose estimated attention mass reaches this share (0 < top_p <= 1) of theirs
+        (`icecache.core.top_p`). ``stats()["tokens_per_selection"]`` reports the tokens attended.
     heap_policy : {"trim", "pin", "none"}
         Against glibc heap growth over long generations (``experiments/reliability.md``): ``"trim"`` (default)
         returns free heap memory to the system every 256 decode steps (``malloc_trim``; negligible cost, bounds
@@ -90,6 +94,7 @@ class IceCacheConfig:
     gqa: str = "union"
     heap_policy: str = "trim"
     inserts: str = "auto"
+    top_p: float | None = None
 
     def __post_init__(self) -> None:
         for name, (lo, hi) in _INT_RANGES.items():
@@ -117,6 +122,9 @@ class IceCacheConfig:
             raise ConfigError(f"IceCacheConfig.gqa must be 'union' or 'per-head', got {self.gqa!r}")
         if self.inserts not in INSERT_MODES:
             raise ConfigError(f"IceCacheConfig.inserts must be one of {', '.join(map(repr, INSERT_MODES))}, got {self.inserts!r}")
+        if self.top_p is not None and (isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float))
+                                       or not 0 < self.top_p <= 1):
+            raise ConfigError(f"IceCacheConfig.top_p must be None or a number in (0, 1], got {self.top_p!r}")
         if self.heap_policy not in HEAP_POLICIES:
             raise ConfigError(f"IceCacheConfig.heap_policy must be 'trim', 'pin' or 'none', got {self.heap_policy!r}")
 

@@ -19,6 +19,9 @@ from icecache.core.errors import ConfigError
 TASKS = ("passkey", "needle", "ppl", "longgen", "ruler")
 #: Methods that run the configured pager (``--index``, ``--index-params``).
 CONFIGURED_PAGER_METHODS = ("icecache", "icecache-r")
+#: methods whose pages the step's query selects, so that `IceCacheConfig.top_p` applies (streaming and snapkv
+#: drop it: `methods.py`)
+QUERY_SELECTING_METHODS = ("exact", "icecache", "icecache-r", "quest", "pqcache")
 #: Task-specific flags: dest -> (flag, tasks that take it, value meaning "not given").
 TASK_FLAGS: dict[str, tuple[str, tuple[str, ...], Any]] = {
     "variants": ("--variants", ("needle",), None),
@@ -84,6 +87,9 @@ def check_eval_flags(args: argparse.Namespace, given_ice: list[str]) -> None:
     if pager_flags and not any(m in CONFIGURED_PAGER_METHODS for m in methods):
         raise ConfigError(f"{' and '.join(pager_flags)} {'tune' if len(pager_flags) > 1 else 'tunes'} the methods {', '.join(CONFIGURED_PAGER_METHODS)}; "
                           f"none of --methods {args.methods} uses them")
+    if "--top-p" in given_ice and not any(m in QUERY_SELECTING_METHODS or m.startswith("icecache:") for m in methods):
+        raise ConfigError(f"--top-p cuts the pages the step's query selects ({', '.join(QUERY_SELECTING_METHODS)}, "
+                          f"icecache:<pager>); none of --methods {args.methods} selects by query")
     if given_ice and methods == ["full"]:
         raise ConfigError(f"--methods full runs plain full attention; {', '.join(given_ice)} would have no effect")
 

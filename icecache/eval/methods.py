@@ -120,7 +120,7 @@ def _full(model: Any, prefill: Prefill, cfg: IceCacheConfig) -> Any:
 
 
 def _streaming(model: Any, prefill: Prefill, cfg: IceCacheConfig) -> IceCache:
-    c = for_pager(cfg, "sequential", window=cfg.window + cfg.budget, budget=0)
+    c = for_pager(cfg, "sequential", window=cfg.window + cfg.budget, budget=0, top_p=None)  # nothing to select
     return IceCache.from_dense(prefill.kv, c, model_config=model.config)
 
 
@@ -138,7 +138,8 @@ def _snapkv(model: Any, prefill: Prefill, cfg: IceCacheConfig) -> IceCache:
         mid[: max(n, 0)] = scores[lo : lo + max(n, 0)]
         return FixedScorePager(head_dim, mid)
 
-    return IceCache.from_dense(prefill.kv, for_pager(cfg, "exact"), model_config=model.config, pager_factory=factory)
+    # top_p: SnapKV's fixed scores are not q.k, so a mass estimate from them would mean nothing
+    return IceCache.from_dense(prefill.kv, for_pager(cfg, "exact", top_p=None), model_config=model.config, pager_factory=factory)
 
 
 def get_method(name: str) -> Method:

@@ -142,6 +142,9 @@ def run_eval(model: Any, tokenizer: Any, spec: EvalSpec, progress: bool = True,
                         st = cache.stats()
                         row["device_kv_bytes"] = st["device_kv_bytes"]
                         row["full_kv_bytes"] = st["full_kv_bytes"]
+                        row["tokens_per_selection"] = st["tokens_per_selection"]
+                        if cfg.top_p is not None:
+                            row["top_p"] = cfg.top_p
                 finally:
                     if isinstance(cache, IceCache):
                         cache.close()
@@ -217,6 +220,11 @@ def summarize(rows: list[dict[str, Any]], seed: int = 0) -> list[dict[str, Any]]
         dk = [r.get("device_kv_bytes") for r in rs if r.get("device_kv_bytes")]
         if dk:
             entry["device_kv_fraction"] = float(np.mean([r["device_kv_bytes"] / r["full_kv_bytes"] for r in rs if r.get("device_kv_bytes")]))
+        used = [r["tokens_per_selection"] for r in rs if r.get("tokens_per_selection") is not None]
+        if used:
+            entry["tokens_per_selection"] = float(np.mean(used))
+        if rs[0].get("top_p") is not None:
+            entry["top_p"] = rs[0]["top_p"]
         out.append(entry)
     return out
 
@@ -259,6 +267,8 @@ def _cell(e: dict[str, Any]) -> str:
         s += f" pm {e['prefix_match']:.0f}, ppl {e['full_model_ppl']:.2f}"
     elif e["task"] == "longgen":
         s += f" ppl {e['full_model_ppl']:.2f}"
+    if e.get("top_p") is not None:  # adaptive budget: the middle tokens a selection attended on average
+        s += f" top-p {e['top_p']:g}: {e['tokens_per_selection']:.0f} tok"
     return s + f" ({e['n']})"
 
 

@@ -362,6 +362,7 @@ class IceCache(Cache):
             "stage_seconds": dict(self.timer.seconds),
             "page_reuse_rate": (c["pages_reused"] / sel) if sel else 0.0,
             "copies_per_layer_step": (c["copies"] / c["layer_steps"]) if c["layer_steps"] else 0.0,
+            "tokens_per_selection": (c["tokens_selected"] / c["selections"]) if c["selections"] else 0.0,
             "device_kv_bytes": self.device_kv_bytes(),
             "host_kv_bytes": self.host_kv_bytes(),
             "full_kv_bytes": self.full_kv_bytes(),

@@ -156,7 +156,7 @@ class IceCacheLayer(TokenPlacement, CacheLayerMixin):
                 selection = LayerSelection(shared["positions"], [[None] * H for _ in range(B)], [[None] * H for _ in range(B)])
             else:
                 selection = select_layer(self.pagers, qg, self.budget, cfg.gqa, layer_idx=self.layer_idx,
-                                         keep_pages=cache.accounting.tracing)
+                                         keep_pages=cache.accounting.tracing, top_p=cfg.top_p, scale=scaling)
                 if shared is not None:
                     shared["positions"] = selection.positions
         cache.fault_point("load", self.layer_idx, self.length)

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from icecache.core.errors import InputError
+from icecache.core.top_p import pages_within_mass
 
 
 @dataclass
@@ -32,17 +33,19 @@ class LayerSelection:
     pages: list[list[np.ndarray | None]]
 
 
-def select_pages(pager: Any, queries: torch.Tensor, budget: int, gqa: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def select_pages(pager: Any, queries: torch.Tensor, budget: int, gqa: str, top_p: float | None = None,
+                 scale: float = 1.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Pages of one (row, KV head) for its query group ``queries`` ``[n_rep, D]`` (float32, host).
 
     ``gqa="union"``: the group selects ``budget`` tokens together; ``"per-head"``: every query head selects
-    ``budget // n_rep`` tokens and the step attends the union. Returns ``(pages, indptr, positions)``.
+    ``budget // n_rep`` tokens and the step attends the union. ``top_p`` (with the attention's softmax
+    ``scale``) keeps the shortest ranked prefix of each selection whose estimated mass reaches it
+    (`icecache.core.top_p`). Returns ``(pages, indptr, positions)``.
     """
     if gqa == "union":
-        pages, indptr, positions, _ = pager.select_arrays(queries, budget, check=False)
-        return pages, indptr, positions
+        return _select_one(pager, queries, budget, top_p, scale)
     n_rep = queries.shape[0]
-    per_head = [pager.select_arrays(queries[g : g + 1], budget // n_rep, check=False)[0] for g in range(n_rep)]
+    per_head = [_select_one(pager, queries[g : g + 1], budget // n_rep, top_p, scale)[0] for g in range(n_rep)]
     flat = np.concatenate(per_head)
     _, first = np.unique(flat, return_index=True)
     pages = flat[np.sort(first)]  # the union, in first-selected order
@@ -50,16 +53,27 @@ def select_pages(pager: Any, queries: torch.Tensor, budget: int, gqa: str) -> tu
     return pages, indptr, positions
 
 
+def _select_one(pager: Any, queries: torch.Tensor, budget: int, top_p: float | None,
+                scale: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One pager's ``(pages, indptr, positions)`` within ``budget``, cut to ``top_p`` of the mass when set."""
+    pages, indptr, positions, scores = pager.select_arrays(queries, budget, check=False)
+    if top_p is None:
+        return pages, indptr, positions
+    keep = pages_within_mass(indptr, scores, scale, top_p)
+    return pages[:keep], indptr[: keep + 1], positions[: indptr[keep]]
+
+
 def select_layer(pagers: list[list[Any]], queries: torch.Tensor, budget: int, gqa: str, *, layer_idx: int,
-                 keep_pages: bool = False) -> LayerSelection:
-    """Select for every (row, KV head) of a layer; ``queries`` ``[B, H, n_rep, D]`` (any device and dtype)."""
+                 keep_pages: bool = False, top_p: float | None = None, scale: float = 1.0) -> LayerSelection:
+    """Select for every (row, KV head) of a layer; ``queries`` ``[B, H, n_rep, D]`` (any device and dtype).
+    ``top_p`` and ``scale``: see `select_pages` (a fused one-call selection has no page scores: not used then)."""
     q_host = queries.detach().to("cpu", torch.float32).contiguous()
     if not np.isfinite(q_host.numpy()).all():  # numpy: no torch op (and GIL round trip) per layer step
         raise InputError(f"layer {layer_idx}: the model produced NaN/inf queries")
     B, H = q_host.shape[:2]
     sel = LayerSelection([], [], [])
     for b in range(B):
-        fused = select_row_at_once(pagers[b], q_host[b], budget, gqa, keep_pages)
+        fused = None if top_p is not None else select_row_at_once(pagers[b], q_host[b], budget, gqa, keep_pages)
         if fused is not None:
             sel.positions.append(fused.positions[0])
             sel.indptrs.append(fused.indptrs[0])
@@ -67,7 +81,7 @@ def select_layer(pagers: list[list[Any]], queries: torch.Tensor, budget: int, gq
             continue
         prow, irow, grow = [], [], []
         for h in range(H):
-            pages, indptr, positions = select_pages(pagers[b][h], q_host[b, h], budget, gqa)
+            pages, indptr, positions = select_pages(pagers[b][h], q_host[b, h], budget, gqa, top_p, scale)
             prow.append(positions)
             irow.append(indptr)
             grow.append(pages if keep_pages else None)
@@ -93,8 +107,8 @@ def select_row_at_once(pagers: list[Any], queries: torch.Tensor, budget: int, gq
                           [[pages if keep_pages else None for pages, _, _ in heads]])
 
 
-COUNTERS = ("steps", "bytes_copied", "copies", "layer_steps", "pages_copied", "pages_selected", "pages_reused",
-            "tokens_selected", "tokens_copied")
+COUNTERS = ("steps", "bytes_copied", "copies", "layer_steps", "selections", "pages_copied", "pages_selected",
+            "pages_reused", "tokens_selected", "tokens_copied")
 
 
 class DecodeAccounting:
@@ -116,6 +130,7 @@ class DecodeAccounting:
         """Add one layer step's `LoadReport` (and its trace records)."""
         c = self.counters
         c["layer_steps"] += 1
+        c["selections"] += len(report.per_head)
         c["bytes_copied"] += report.bytes_copied
         c["copies"] += report.copies
         c["pages_selected"] += report.pages_selected

@@ -53,6 +53,8 @@ class RulerSpec:
         cfg.pop("budget")  # varies per unit
         cfg.pop("threads")  # results do not depend on threads ...
         cfg.pop("inserts")  # ... nor on where decode inserts run (tests/test_runtime_workers.py)
+        if cfg.get("top_p") is None:  # off: runs made before the option existed resume as the same run
+            cfg.pop("top_p", None)
         return {"model": self.model, "seed": self.seed, "config": cfg, "chat_template": self.chat_template}
 
 
@@ -201,6 +203,8 @@ def run_sample(
             try:
                 tokens = decode_greedy(model, cache, prefill.last_logits, sample.tokens_to_generate, stop_ids,
                                        stop_when=settled)
+                if isinstance(cache, IceCache) and cfg.top_p is not None:
+                    extra["tokens_per_selection"] = cache.stats()["tokens_per_selection"]
             finally:
                 if isinstance(cache, IceCache):
                     cache.close()
