@@ -412,9 +412,32 @@ def row_serving() -> tuple[str, str, str]:
     return ("serving with vLLM (CPU)", link("docs/serving.md", full=True), head)
 
 
+def row_top_p() -> tuple[str, str, str]:
+    """The adaptive budget: passkey and RULER NIAH scores with and without top-p, and the tokens attended."""
+    d = EXP / "top_p"
+
+    def passkey(run: str) -> dict[tuple[int, int], tuple[float, float]]:
+        rows = read_json(d / run / "results.json")["rows"]
+        out = {}
+        for key in sorted({(r["length"], r["budget"]) for r in rows}):
+            rs = [r for r in rows if (r["length"], r["budget"]) == key]
+            out[key] = (sum(r["score"] for r in rs) / len(rs), sum(r["tokens_per_selection"] for r in rs) / len(rs))
+        return out
+
+    fixed, cut = passkey("passkey_none"), passkey("passkey_p0.9")
+    cells = [f"{klabel(n)}@{b}: {fixed[(n, b)][0]:.2f} -> {cut[(n, b)][0]:.2f}, {fixed[(n, b)][1]:.0f} -> {cut[(n, b)][1]:.0f} tok"
+             for n, b in sorted(fixed, key=lambda nb: (nb[1], nb[0]))]
+    ruler = read_json(d / "ruler_niah_4k.json")
+    rcells = [f"p {t['p']}: {ruler['fixed']:.3f} -> {t['score']:.3f}, {t['tokens_per_selection']:.0f} tok, {t['differ']} samples differ"
+              for t in ruler["top_p"]]
+    head = (f"passkey, 10 samples, score and middle tokens per selection, fixed budget -> top-p 0.9: " + "; ".join(cells)
+            + f"; RULER NIAH 4k, {ruler['row']} on {ruler['samples']} samples (full {ruler['full']:.3f}): " + "; ".join(rcells))
+    return ("adaptive budget (top-p, issue 24)", link("experiments/top_p/README.md", full=True), head)
+
+
 def results_table() -> str:
-    rows = [row_accuracy(), row_ruler(), row_index(), row_backends(), row_decode(), row_sim(), row_reliability(),
-            row_serving()]
+    rows = [row_accuracy(), row_ruler(), row_index(), row_backends(), row_decode(), row_top_p(), row_sim(),
+            row_reliability(), row_serving()]
     lines = ["| what | where | headline |", "|---|---|---|"]
     lines += [f"| {w} | {where} | {h} |" for w, where, h in rows]
     return "\n".join(lines)
