@@ -430,7 +430,7 @@ def row_top_p() -> tuple[str, str, str]:
     ruler = read_json(d / "ruler_niah_4k.json")
     rcells = [f"p {t['p']}: {ruler['fixed']:.3f} -> {t['score']:.3f}, {t['tokens_per_selection']:.0f} tok, {t['differ']} samples differ"
               for t in ruler["top_p"]]
-    head = (f"passkey, 10 samples, score and middle tokens per selection, fixed budget -> top-p 0.9: " + "; ".join(cells)
+    head = ("passkey, 10 samples, score and middle tokens per selection, fixed budget -> top-p 0.9: " + "; ".join(cells)
             + f"; RULER NIAH 4k, {ruler['row']} on {ruler['samples']} samples (full {ruler['full']:.3f}): " + "; ".join(rcells))
     return ("adaptive budget (top-p, issue 24)", link("experiments/top_p/README.md", full=True), head)
 
