@@ -87,8 +87,8 @@ def replay(model: Any, prefill: Any, cache: Any, tokens: list[int], answer_pos: 
     records: list[tuple[int, float, float, float]] = []
     real_select = layer_module.select_layer
 
-    def spy(pagers, queries, budget_, gqa, *, layer_idx, keep_pages=False):
-        sel = real_select(pagers, queries, budget_, gqa, layer_idx=layer_idx, keep_pages=keep_pages)
+    def spy(pagers, queries, budget_, gqa, *, layer_idx, **kw):
+        sel = real_select(pagers, queries, budget_, gqa, layer_idx=layer_idx, **kw)
         q = queries.detach().float().cpu()
         for h, pager in enumerate(pagers[0]):
             local = answer_pos - sink  # pager-local positions of the answer tokens
