@@ -13,15 +13,11 @@ import argparse
 import json
 from pathlib import Path
 
+from icecache.eval.ruler.runner import read_jsonl
+
 
 def _records(path: Path) -> list[dict]:
-    out = []
-    for line in (path / "predictions.jsonl").read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
+    return read_jsonl(path / "predictions.jsonl")  # skips a line cut by a crash, as the run does
 
 
 def main() -> None:
