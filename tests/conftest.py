@@ -50,3 +50,15 @@ def smollm2():
     import icecache
 
     return icecache.load_model()
+
+
+def assert_layer_select_is_each_pagers_own(pagers: list, q: torch.Tensor, budget: int) -> None:
+    """`select_layer` of one row (``q`` ``[1, H, g, d]``) gives every head its pager's own `select_arrays`."""
+    from icecache.runtime.selection import select_layer
+
+    sel = select_layer([pagers], q, budget, "union", layer_idx=0, keep_pages=True)
+    for h, pager in enumerate(pagers):
+        pages, indptr, positions, _ = pager.select_arrays(q[0, h], budget, check=False)
+        assert sel.positions[0][h].tolist() == positions.tolist()
+        assert sel.indptrs[0][h].tolist() == indptr.tolist()
+        assert sel.pages[0][h].tolist() == pages.tolist()

@@ -9,6 +9,7 @@ from itertools import pairwise
 import numpy as np
 import pytest
 import torch
+from conftest import assert_layer_select_is_each_pagers_own
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -398,7 +399,7 @@ def test_params_preset_and_overrides_select_identically(name):
 
 
 def test_params_errors_are_one_line_config_errors():
-    listing = r"its parameters: record_moves, params, preset, num_comp_indices, .*, field_of_view, .*construction_prop_to_retrieve$"
+    listing = r"its parameters: record_moves, params, preset, layer_select, num_comp_indices, .*, field_of_view, .*construction_prop_to_retrieve$"
     with pytest.raises(ConfigError, match=r"^pager 'mdci' has no parameter 'bogus'; " + listing):
         make_pager("mdci", head_dim=8, bogus=1)
     with pytest.raises(ConfigError, match=r"^pager 'mdci' has no parameter 'query'; " + listing):
@@ -459,3 +460,43 @@ def test_fov_max_must_not_undercut_fov_min():
         make_pager("mdci", head_dim=8, fov_min=60, fov_max=59)
     with pytest.raises(ConfigError, match="fov_max"):
         make_pager("mdci", head_dim=8, fov_max=2.5)
+
+
+@FAST
+@given(sizes=st.lists(st.integers(1, 3000), min_size=1, max_size=4), budget=st.integers(1, 300),
+       threads=st.integers(1, 3), inserted=st.integers(0, 40), seed=st.integers(0, 10_000),
+       page_score=st.sampled_from(["max", "mass"]))
+def test_layer_select_equals_each_pagers_own(sizes, budget, threads, inserted, seed, page_score):
+    """The runtime's one-call selection of a layer row (``select_layer`` through
+    ``MDCIPager.select_layer_positions``, all heads' page rankings in one compiled call, on 1-3 threads) gives
+    every head the positions, page offsets and pages of that pager's own `select_arrays`, also after inserts
+    and with heads of different sizes."""
+    pagers = [make_pager("mdci", head_dim=16, seed=h, page_score=page_score) for h in range(len(sizes))]
+    for h, (pager, n) in enumerate(zip(pagers, sizes)):
+        pager.select_threads = threads
+        pager.build(keys(seed + h, n))
+        pager.insert(keys(seed + 100 + h, inserted, scale=1.5))  # longer keys: some inserts rekey the tree
+    q = keys(seed + 7, 3 * len(sizes)).reshape(1, len(sizes), 3, 16)
+    assert MDCIPager.select_layer_positions(pagers, q[0], budget) is not None  # the one-call path is taken
+    assert_layer_select_is_each_pagers_own(pagers, q, budget)
+
+
+def test_layer_select_declines_what_one_call_cannot_serve():
+    """None (select head by head) for an empty pager, differing parameters or ``layer_select=False``; a
+    non-boolean ``layer_select`` is a one-line `ConfigError`."""
+    q = keys(0, 6).reshape(2, 3, 16)
+    built = [make_pager("mdci", head_dim=16) for _ in range(2)]
+    for pager in built:
+        pager.build(keys(1, 200))
+    assert MDCIPager.select_layer_positions(built, q, 64) is not None
+    empty = make_pager("mdci", head_dim=16)
+    assert MDCIPager.select_layer_positions([built[0], empty], q, 64) is None
+    other = make_pager("mdci", head_dim=16, field_of_view=30)
+    other.build(keys(1, 200))
+    assert MDCIPager.select_layer_positions([built[0], other], q, 64) is None
+    off = [make_pager("mdci", head_dim=16, layer_select=False) for _ in range(2)]
+    for pager in off:
+        pager.build(keys(1, 200))
+    assert MDCIPager.select_layer_positions(off, q, 64) is None
+    with pytest.raises(ConfigError, match="layer_select must be true or false"):
+        make_pager("mdci", head_dim=16, layer_select="yes")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import assert_layer_select_is_each_pagers_own
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -347,8 +348,6 @@ def test_exact_layer_select_equals_each_pagers_own(n, budget, heads, threads, se
     """The runtime's one-call selection of a layer row (``select_layer`` through
     ``ExactPager.select_layer_positions``) gives every head the positions, page offsets and pages of that
     pager's own `select_arrays`."""
-    from icecache.runtime.selection import select_layer
-
     rng = np.random.default_rng(seed)
     pagers = [make_pager("exact", head_dim=16) for _ in range(heads)]
     for pager in pagers:
@@ -356,9 +355,5 @@ def test_exact_layer_select_equals_each_pagers_own(n, budget, heads, threads, se
         keys = (rng.integers(-2, 3, (n, 16)) if ties else rng.standard_normal((n, 16))).astype(np.float32)
         pager.build(torch.from_numpy(keys))
     q = torch.from_numpy(rng.standard_normal((1, heads, 3, 16)).astype(np.float32))
-    sel = select_layer([pagers], q, budget, "union", layer_idx=0, keep_pages=True)
-    for h, pager in enumerate(pagers):
-        pages, indptr, positions, _ = pager.select_arrays(q[0, h], budget, check=False)
-        assert sel.positions[0][h].tolist() == positions.tolist()
-        assert sel.indptrs[0][h].tolist() == indptr.tolist()
-        assert sel.pages[0][h].tolist() == pages.tolist()
+    assert_layer_select_is_each_pagers_own(pagers, q, budget)
+

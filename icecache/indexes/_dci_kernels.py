@@ -2,8 +2,9 @@
 the multi-level descent, page ranking and the small structural edits of sorted runs.
 
 Everything here is ``@njit(nogil=True, cache=True)``: a search releases the GIL, so a thread pool runs
-many heads in parallel, and the machine code is compiled once and cached on disk. No kernel uses numba's
-own threads (``prange``), so results never depend on thread count or timing.
+many heads in parallel, and the machine code is compiled once and cached on disk. No kernel here uses numba's
+own threads (``prange``); `icecache.indexes.dci_layer` runs `rank_pages` for several trees on them, one scratch
+set per tree, so results never depend on thread count or timing.
 
 Storage the kernels read (owned by `icecache.indexes.dci_tree.DCITree`, whose attribute names its docstring maps to
 these; the names used throughout):

@@ -44,13 +44,19 @@ class Scratch:
         self.out_scores = np.zeros(page_capacity, np.float64)
 
 
-def thread_scratch(num_points: int, num_comp: int, num_page_ids: int = 0, group_size: int = 1) -> Scratch:
-    """This thread's `Scratch`, grown (capacities doubling) to hold the given sizes; the stamp counter carries
-    over to a grown one."""
-    old: Scratch | None = getattr(_thread_local, "scratch", None)
+def thread_scratch(num_points: int, num_comp: int, num_page_ids: int = 0, group_size: int = 1, slot: int = 0) -> Scratch:
+    """This thread's `Scratch` number ``slot``, grown (capacities doubling) to hold the given sizes; the stamp
+    counter carries over to a grown one. Slot 0 serves a single search; a call that searches several trees at
+    once (`icecache.indexes.dci_layer`) uses one slot per tree."""
+    slots: list[Scratch | None] | None = getattr(_thread_local, "scratch", None)
+    if slots is None:
+        slots = _thread_local.scratch = []
+    while len(slots) <= slot:
+        slots.append(None)
+    old = slots[slot]
     if old is None:
         scratch = Scratch(max(num_points, 1024), max(num_comp, 1), max(num_page_ids, 256), max(group_size, 1))
-        _thread_local.scratch = scratch
+        slots[slot] = scratch
         return scratch
     if old.capacity >= num_points and old.num_comp >= num_comp and old.page_capacity >= num_page_ids and old.group_size >= group_size:
         return old
@@ -58,7 +64,7 @@ def thread_scratch(num_points: int, num_comp: int, num_page_ids: int = 0, group_
     page_capacity = max(num_page_ids, old.page_capacity if old.page_capacity >= num_page_ids else 2 * old.page_capacity)
     scratch = Scratch(capacity, max(num_comp, old.num_comp), page_capacity, max(group_size, old.group_size))
     scratch.stamp[0] = int(old.stamp[0])
-    _thread_local.scratch = scratch
+    slots[slot] = scratch
     return scratch
 
 

@@ -19,6 +19,7 @@ import torch
 from icecache.core.errors import ConfigError
 from icecache.core.pager import SemanticPager
 from icecache.indexes.dci import DCIIndex, DCIParams, SearchConfig
+from icecache.indexes.dci_layer import layer_compatible, rank_pages_layer
 from icecache.indexes.registry import register_pager, unknown_parameter_error
 
 
@@ -116,12 +117,17 @@ class MDCIPager(SemanticPager):
         record_moves: bool = False,
         params: DCIParams | str | None = None,
         preset: str | None = None,
+        layer_select: bool = True,
         **overrides: Any,
     ) -> None:
         unknown = [name for name in overrides if name not in DCIParams.override_names()]
         if unknown:
-            raise unknown_parameter_error("mdci", unknown, ("record_moves", "params", "preset", *DCIParams.override_names()))
+            raise unknown_parameter_error("mdci", unknown, ("record_moves", "params", "preset", "layer_select",
+                                                            *DCIParams.override_names()))
+        if not isinstance(layer_select, bool):
+            raise ConfigError(f"mdci: layer_select must be true or false, got {layer_select!r}")
         super().__init__(head_dim, page_size, seed, record_moves=record_moves)
+        self.layer_select = layer_select
         if params is not None and preset is not None:
             raise ConfigError(f"mdci: give params or preset, not both (got params={params!r}, preset={preset!r})")
         base = params if params is not None else preset if preset is not None else "wide"
@@ -142,6 +148,23 @@ class MDCIPager(SemanticPager):
 
     def _rank_pages(self, queries: torch.Tensor, budget: int) -> tuple[np.ndarray, np.ndarray]:
         return self.index.rank_pages(queries.numpy(), budget)
+
+    @staticmethod
+    def select_layer_positions(pagers: list[MDCIPager], queries: torch.Tensor,
+                               budget: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None:
+        """``(pages, indptr, positions)`` for every pager of one layer row at once (``queries`` ``[H, g, d]``
+        float32, host): each pager's union-GQA `select_arrays` without scores, the page ranking of all heads in
+        one compiled call (`icecache.indexes.dci_layer.rank_pages_layer`, on ``select_threads`` threads). None
+        when one call cannot serve them (an empty pager, differing parameters): select them one by one."""
+        trees = [p.index.tree for p in pagers]
+        if budget <= 0 or not all(p.layer_select for p in pagers) or not layer_compatible(trees):
+            return None
+        ranked = rank_pages_layer(trees, queries.numpy(), budget, pagers[0].select_threads)
+        out = []
+        for pager, (page_ids, _) in zip(pagers, ranked):
+            j, indptr, positions = pager.table.take_within_budget(page_ids, budget)
+            out.append((page_ids[:j], indptr, positions))
+        return out
 
     def index_bytes(self) -> int:
         return self.index.index_bytes()

@@ -94,7 +94,7 @@ def select_layer(pagers: list[list[Any]], queries: torch.Tensor, budget: int, gq
 def select_row_at_once(pagers: list[Any], queries: torch.Tensor, budget: int, gqa: str,
                        keep_pages: bool) -> LayerSelection | None:
     """One row's selection for every KV head in one call, where the pagers' class offers it
-    (``select_layer_positions``, e.g. ``exact``) and the GQA rule is ``"union"``; None otherwise (select head by
+    (``select_layer_positions``: ``exact``, ``mdci``) and the GQA rule is ``"union"``; None otherwise (select head by
     head). ``queries`` ``[H, n_rep, D]`` float32, host."""
     kind = type(pagers[0])
     fused = getattr(kind, "select_layer_positions", None)
