@@ -5,7 +5,9 @@ impl), so output is token-for-token that of stock vLLM. With it, a decode row (q
 whose context exceeds ``sink + window + budget`` attends, on every layer outside ``dense_layers``, over its
 first ``sink`` tokens, its last ``window`` tokens (the current one included) and the ``budget`` middle tokens
 that the request's pager of that (layer, KV head) selects for the step's query group, as the HF runtime
-(`icecache.runtime.layer`) does. Everything else (prefill and chunked prefill, short contexts, dense layers,
+(`icecache.runtime.layer`) does; with ``top_p`` only the shortest best-ranked prefix of those pages whose estimated
+attention mass reaches it (`icecache.core.top_p`; the log line that frees a request reports the middle tokens
+attended per selection). Everything else (prefill and chunked prefill, short contexts, dense layers,
 sliding-window layers) is vLLM's dense kernel.
 
 Pagers live in the worker process, one `RequestState` per request: built lazily at the request's first
@@ -75,10 +77,15 @@ class RequestState:
     #: seconds spent per stage of the sparse decode (build, insert, select, gather, attend), all layers and steps
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
     layer_steps: int = 0  # sparse (layer, step) pairs decoded
+    selections: int = 0  # (layer, step, KV head) selections made
+    tokens_selected: int = 0  # middle tokens they selected (fewer than the budget with ``top_p``)
 
     def stage_summary(self) -> str:
-        """``"84 layer-steps: build 0.41 s, insert 0.01 s, ..."`` for the log line that frees the state."""
-        return f"{self.layer_steps} layer-steps: " + ", ".join(f"{k} {v:.3f} s" for k, v in self.seconds.items())
+        """``"84 layer-steps: build 0.41 s, insert 0.01 s, ...; 256.0 middle tokens per selection"`` for the log
+        line that frees the state."""
+        per = self.tokens_selected / self.selections if self.selections else 0.0
+        return (f"{self.layer_steps} layer-steps: " + ", ".join(f"{k} {v:.3f} s" for k, v in self.seconds.items())
+                + f"; {per:.1f} middle tokens per selection")
 
 
 
@@ -264,8 +271,11 @@ class IceCacheCPUImpl(CPUAttentionBackendImpl):
             ls.inserted_until = T - W
         t2 = time.perf_counter()
         qg = q.detach().to(torch.float32).reshape(H, -1, D)
-        selected = [select_pages(ls.pagers[h], qg[h].contiguous(), cfg.budget, cfg.gqa)[2] for h in range(H)]
+        selected = [select_pages(ls.pagers[h], qg[h].contiguous(), cfg.budget, cfg.gqa, cfg.top_p, self.scale)[2]
+                    for h in range(H)]
         t3 = time.perf_counter()
+        row.state.selections += H
+        row.state.tokens_selected += sum(len(p) for p in selected)
         n_sel = max((len(p) for p in selected), default=0)
         F = S + W
         positions = np.empty((H, F + n_sel), np.int64)

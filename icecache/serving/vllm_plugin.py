@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 BACKEND_PATH = "icecache.serving.vllm_backend.IceCacheCPUBackend"
 CONFIG_KEY = "icecache"
 #: the `IceCacheConfig` fields the plugin implements (the others are HF-runtime or simulator settings)
-SUPPORTED_KEYS = ("budget", "sink", "window", "page_size", "index", "index_params", "dense_layers", "seed", "gqa")
+SUPPORTED_KEYS = ("budget", "sink", "window", "page_size", "index", "index_params", "dense_layers", "seed", "gqa", "top_p")
 
 
 def register() -> None:

@@ -32,6 +32,8 @@ CONFIGS = {
     "mdci-256": {"budget": 256, "sink": 4, "window": 64, "page_size": 16, "index": "mdci"},
     # tight enough that the output differs from full attention: the sparse path itself is compared
     "exact-32": {"budget": 32, "sink": 4, "window": 16, "page_size": 16, "index": "exact"},
+    # the adaptive budget: pages cut at half the estimated attention mass (the essay departs from mdci-256)
+    "mdci-256-top_p": {"budget": 256, "sink": 4, "window": 64, "page_size": 16, "index": "mdci", "top_p": 0.5},
 }
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 

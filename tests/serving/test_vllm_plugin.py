@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -194,6 +195,26 @@ def test_mdci_sparse_decode_matches_hf_runtime(ice_mdci):
             for rec, ids in zip(REFERENCE["prompts"], ice_mdci["token_ids"])]
     print(f"mdci-256: (prompt, plugin=HF sparse, HF sparse=HF full) of {NEW}:", rows)
     assert all(r[1] == NEW for r in rows), rows
+
+
+@pytest.fixture(scope="module")
+def ice_top_p(tmp_path_factory):
+    cfg = {"icecache": REFERENCE["configs"]["mdci-256-top_p"]}
+    return run_vllm(tmp_path_factory.mktemp("top_p"), plugin=True, additional_config=cfg, prompts=LONG)
+
+
+def test_top_p_sparse_decode_matches_hf_runtime(ice_top_p):
+    """``top_p`` 0.5 (the adaptive budget) on M-DCI at budget 256: the tokens of icecache's HF runtime, where the
+    essay departs from the same config without ``top_p`` at token 2; the plugin's log reports fewer middle tokens
+    per selection than the budget."""
+    rows = [(rec["name"], _matching_prefix(ids, rec["outputs"]["mdci-256-top_p"]),
+             _matching_prefix(rec["outputs"]["mdci-256-top_p"], rec["outputs"]["mdci-256"]))
+            for rec, ids in zip(REFERENCE["prompts"], ice_top_p["token_ids"])]
+    print(f"mdci-256-top_p: (prompt, plugin=HF sparse, HF top_p=HF without) of {NEW}:", rows)
+    assert any(r[2] < NEW for r in rows), "top_p no longer changes the output; pick a smaller one"
+    assert all(r[1] == NEW for r in rows), rows
+    per_selection = [float(x) for x in re.findall(r"; ([0-9.]+) middle tokens per selection", ice_top_p["log"])]
+    assert per_selection and all(0 < x < 256 for x in per_selection), per_selection
 
 
 @pytest.fixture(scope="module")
