@@ -122,15 +122,12 @@ def test_run_json_holds_the_settings(tmp_path):
     assert data["seed"] == 42 and data["config"]["page_size"] == 8 and "budget" not in data["config"]
 
 
-@pytest.mark.slow
-def test_ray_run_gives_the_local_runs_records(tmp_path, smollm2):
-    """`--ray` (local Ray, two actors of one thread each) against a local run on one thread: the same samples,
-    predictions and scores (README: Slow suite; needs the `ray` extra)."""
-    pytest.importorskip("ray")
-    from icecache.eval.ruler.distributed import run_on_ray
+SHARDED_SPEC = dict(model="smollm2-135m-instruct", tasks=["niah_single_1", "vt"], lengths=[1024], samples=2,
+                    methods=["full", "icecache", "quest"], budgets=[64])
 
-    spec = RulerSpec(model="smollm2-135m-instruct", tasks=["niah_single_1", "vt"], lengths=[1024], samples=2,
-                     methods=["full", "icecache", "quest"], budgets=[64], config=IceCacheConfig(threads=1))
+
+def assert_sharded_equals_local(tmp_path, smollm2, spec: RulerSpec, sharded: list[dict]) -> None:
+    """A local run of ``spec`` on one thread has the same samples, predictions and scores as ``sharded``."""
     model, tok = smollm2
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -138,8 +135,30 @@ def test_ray_run_gives_the_local_runs_records(tmp_path, smollm2):
         local = run_ruler(model, tok, spec, tmp_path / "local", progress=False)
     finally:
         torch.set_num_threads(threads)
-    remote = run_on_ray(spec, tmp_path / "ray", progress=False, workers=2)
     key = lambda r: (r["task"], r["index"], r["method"], r["budget"])
-    assert len(local) == len(remote) == 2 * 2 * 3
+    assert len(local) == len(sharded) == 2 * 2 * 3
     assert [(key(r), r["prediction"], r["score"]) for r in sorted(local, key=key)] == \
-           [(key(r), r["prediction"], r["score"]) for r in sorted(remote, key=key)]
+           [(key(r), r["prediction"], r["score"]) for r in sorted(sharded, key=key)]
+
+
+@pytest.mark.slow
+def test_ray_run_gives_the_local_runs_records(tmp_path, smollm2):
+    """`--ray` (local Ray, two actors of one thread each) against a local run on one thread: the same samples,
+    predictions and scores (README: Slow suite; needs the `ray` extra)."""
+    pytest.importorskip("ray")
+    from icecache.eval.ruler.distributed import run_on_ray
+
+    spec = RulerSpec(**SHARDED_SPEC, config=IceCacheConfig(threads=1))
+    assert_sharded_equals_local(tmp_path, smollm2, spec, run_on_ray(spec, tmp_path / "ray", progress=False, workers=2))
+
+
+@pytest.mark.slow
+def test_process_workers_give_the_local_runs_records(tmp_path, smollm2):
+    """``--workers 2`` (two spawned processes of one thread each) against a local run on one thread: the same
+    samples, predictions and scores, and a second call finds nothing left to do."""
+    from icecache.eval.ruler.distributed import run_on_processes
+
+    spec = RulerSpec(**SHARDED_SPEC, config=IceCacheConfig(threads=1))
+    sharded = run_on_processes(spec, tmp_path / "workers", 2, progress=False)
+    assert_sharded_equals_local(tmp_path, smollm2, spec, sharded)
+    assert len(run_on_processes(spec, tmp_path / "workers", 2, progress=False)) == len(sharded)  # resumed: all done

@@ -1,4 +1,5 @@
-"""``icecache eval ruler``: build the spec from the command line, run it (locally or on Ray), write the outputs.
+"""``icecache eval ruler``: build the spec from the command line, run it (in this process, on ``--workers`` local
+processes or on Ray), write the outputs.
 
 Outputs under ``--out``: ``predictions.jsonl`` (one line per finished unit, appended as it finishes),
 ``run.json`` (the settings), ``results.csv``, ``results.md`` (RULER-shaped tables, one per length) and
@@ -123,7 +124,11 @@ def run_command(args: argparse.Namespace, config: Any) -> int:
         if use_ray:
             from icecache.eval.ruler.distributed import run_on_ray
 
-            records = run_on_ray(spec, out, progress=not args.json)
+            records = run_on_ray(spec, out, progress=not args.json, workers=args.workers)
+        elif args.workers is not None and args.workers > 1:
+            from icecache.eval.ruler.distributed import run_on_processes
+
+            records = run_on_processes(spec, out, args.workers, progress=not args.json)
         else:
             records = _run_local(spec, out, progress=not args.json)
     except KeyboardInterrupt:
