@@ -500,3 +500,39 @@ def test_layer_select_declines_what_one_call_cannot_serve():
     assert MDCIPager.select_layer_positions(off, q, 64) is None
     with pytest.raises(ConfigError, match="layer_select must be true or false"):
         make_pager("mdci", head_dim=16, layer_select="yes")
+
+
+@FAST
+@given(n=st.integers(1, 1500), inserted=st.integers(1, 120), seed=st.integers(0, 10_000),
+       scale=st.sampled_from([0.5, 1.0, 1.3]), page_size=st.sampled_from([2, 8, 16]))
+def test_compiled_leaf_insert_makes_the_general_paths_edits(n, inserted, seed, scale, page_size):
+    """Inserting one token at a time with the compiled level-0 path (`dci_update._leaf_fast_path`) leaves every
+    tree array, the page table and its move journal exactly as the general Python path does (some keys longer
+    than the index's: rekeys; small pages: splits)."""
+    from icecache.indexes import dci_update
+
+    def grown(fast: bool) -> tuple[MDCIPager, list]:
+        pager = make_pager("mdci", head_dim=16, page_size=page_size, seed=seed, record_moves=True)
+        pager.build(keys(seed, n))
+        pager.table.take_moves()
+        journal = []
+        with pytest.MonkeyPatch.context() as patch:
+            if not fast:
+                patch.setattr(dci_update, "_leaf_fast_path", lambda *args: False)
+            for row in keys(seed + 1, inserted, scale=scale):
+                pager.insert(row[None], check=False)
+                journal.append(pager.table.take_moves())
+        return pager, journal
+
+    fast, fast_moves = grown(True)
+    slow, slow_moves = grown(False)
+    assert fast_moves == slow_moves
+    tf, ts = fast.index.tree, slow.index.tree
+    assert tf.num_points == ts.num_points and tf.msq == ts.msq and tf.level_counts == ts.level_counts
+    for name in ("vectors", "ext", "proj", "level_of", "parent_of", "parent_dist", "num_descendants", "cluster_start",
+                 "cluster_size", "cluster_cap", "run_key", "run_id", "vectors_run0"):
+        assert np.array_equal(getattr(tf, name), getattr(ts, name)), name
+    for name in ("members", "sizes_", "page_of_", "slot_of_"):
+        assert np.array_equal(getattr(fast.table, name), getattr(slow.table, name)), name
+    assert len(fast.table) == len(slow.table)
+    assert_pages_ok(fast)

@@ -249,6 +249,17 @@ class PageTable:
             self._moves.append(Move(position, -1, -1, page_id, slot))
         return slot
 
+    def reserve_positions(self, n: int) -> None:
+        """Room for positions ``0 .. n-1`` in ``page_of_`` / ``slot_of_`` (a compiled insert writes them)."""
+        self._grow_positions(n)
+
+    def record_append(self, position: int, page_id: int, slot: int) -> None:
+        """Account for an `append` that a compiled kernel made in the arrays (``members``, ``sizes_``,
+        ``page_of_``, ``slot_of_``): the position count and the move journal."""
+        self._num_positions += 1
+        if self.record_moves:
+            self._moves.append(Move(int(position), -1, -1, int(page_id), int(slot)))
+
     def move(self, position: int, dst_page: int) -> int:
         """Move a paged position into another page (which must have room); returns its new slot."""
         position = int(position)

@@ -10,11 +10,16 @@ Pages (when the tree has a table): a new token joins the page of its run-0 neigh
 page of its cluster with the nearest centroid (``"2means"``); a full page is split first; adopted points move into
 fresh pages of their new cluster; with ``"projection"``, small pages then merge with a run-0 neighbour
 (`_merge_small_page`). All page changes go through `PageTable` methods, so its move journal is complete.
+
+The common decode insert (a level-0 MIPS token, no rekey, parent by brute force, ``"projection"`` pages) runs as
+one compiled call (`_insert_leaf`) that makes the same edits, recording its page append with
+`PageTable.record_append`; what it hands back (a full cluster block or page) finishes on the Python path.
 """
 
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
 
 from icecache.indexes import _dci_kernels as kernels
 from icecache.indexes.dci_build import (
@@ -23,7 +28,10 @@ from icecache.indexes.dci_build import (
     even_groups,
     search_parents,
 )
-from icecache.indexes.dci_tree import DCITree
+from icecache.indexes.dci_tree import DCITree, _lift_point
+
+#: `_insert_leaf` outcomes
+LEAF_DONE, LEAF_NEEDS_CLUSTER, LEAF_PAGE_FULL = 0, 1, 2
 
 
 def insert(tree: DCITree, x: np.ndarray) -> None:
@@ -45,6 +53,8 @@ def insert(tree: DCITree, x: np.ndarray) -> None:
 
 
 def _insert_one(tree: DCITree, vector: np.ndarray, sq_norm: float, level: int, new_top: bool) -> None:
+    if level == 0 and not new_top and _leaf_fast_path(tree, vector, sq_norm):
+        return
     if tree.mips and sq_norm > tree.msq:
         if tree.num_points == 0:
             tree.msq = sq_norm
@@ -91,6 +101,82 @@ def _insert_one(tree: DCITree, vector: np.ndarray, sq_norm: float, level: int, n
     tree.add_member(level, point)
     if level > 0:
         _adopt(tree, point, level)
+
+
+def _leaf_fast_path(tree: DCITree, vector: np.ndarray, sq_norm: float) -> bool:
+    """The common decode insert in one compiled call (`_insert_leaf`): a level-0 MIPS point that needs no rekey,
+    finds its parent by brute force and joins a ``"projection"`` page. It makes exactly the edits of the general
+    path below, which finishes the cases the kernel hands back (a full cluster block or page). False (nothing
+    done) when the point does not qualify."""
+    table = tree.table
+    if (not tree.mips or sq_norm > tree.msq or tree.num_levels < 2 or table is None or table.page_size == 1
+            or tree.params.page_split != "projection"):
+        return False
+    upper = tree.members(1)
+    if len(upper) > tree.params.brute_force_threshold:
+        return False
+    point = tree.num_points
+    tree.grow(point + 1)
+    table.reserve_positions(point + 1)
+    tree.num_points = point + 1
+    status, parent, page, slot, neighbour = _insert_leaf(
+        point, vector, upper, tree.vectors, tree.ext, tree.proj, tree.dirs, tree.dim, float(tree.msq), tree.level_of,
+        tree.parent_of, tree.parent_dist, tree.num_descendants, tree.cluster_start, tree.cluster_size, tree.cluster_cap,
+        tree.run_key, tree.run_id, tree.vectors_run0, table.page_of_, table.slot_of_, table.members, table.sizes_,
+        table.page_size,
+    )
+    if status == LEAF_NEEDS_CLUSTER:
+        _cluster_add(tree, parent + 1, point)
+        _path_add(tree, parent, 1)
+    elif status == LEAF_PAGE_FULL:
+        _place_beside(tree, page, neighbour, point)
+    else:
+        table.record_append(point, page, slot)
+    tree.add_member(0, point)
+    return True
+
+
+@njit(nogil=True, cache=True)
+def _insert_leaf(point, vector, upper, X, ext, proj, dirs, dim, msq, level_of, parent_of, parent_dist, num_desc,
+                 cl_start, cl_size, cl_cap, run_key, run_id, Xr, page_of, slot_of, members, sizes, page_size):
+    """`_insert_one`'s edits for a level-0 point with a brute-force MIPS parent search, as far as they go without
+    Python: the point's rows, its lift, its parent, its run entries and (when the neighbour's page has room) its
+    page slot, and the descendant counts up the path. Returns ``(status, parent, page, slot, neighbour)``:
+    `LEAF_DONE`; `LEAF_NEEDS_CLUSTER` (stopped after the parent: the cluster block is full or empty); or
+    `LEAF_PAGE_FULL` (in the runs, path counted, the run-0 neighbour's ``page`` is full)."""
+    X[point] = vector
+    level_of[point] = 0
+    parent_of[point] = -1
+    parent_dist[point] = np.inf
+    num_desc[point] = 0
+    cl_start[point + 1] = 0
+    cl_size[point + 1] = 0
+    cl_cap[point + 1] = 0
+    _lift_point(point, X, dirs, dim, msq, True, ext, proj)
+    parent, dist = kernels.brute_nearest_one(point, upper, X, ext, 2, msq)
+    parent_dist[point] = dist
+    parent_of[point] = parent
+    cid = parent + 1
+    size = cl_size[cid]
+    if size == 0 or size == cl_cap[cid]:
+        return LEAF_NEEDS_CLUSTER, parent, -1, -1, -1
+    start = cl_start[cid]
+    pos0 = kernels.cluster_insert(run_key, run_id, Xr, start, size, proj[point], point, X[point])
+    cl_size[cid] = size + 1
+    node = parent
+    while node >= 0:
+        num_desc[node] += 1
+        node = parent_of[node]
+    neighbour = np.int64(run_id[0, start + pos0 - 1]) if pos0 > 0 else np.int64(run_id[0, start + 1])
+    page = page_of[neighbour]
+    slot = sizes[page]
+    if slot >= page_size:
+        return LEAF_PAGE_FULL, parent, page, -1, neighbour
+    members[page, slot] = point
+    sizes[page] = slot + 1
+    page_of[point] = page
+    slot_of[point] = slot
+    return LEAF_DONE, parent, page, slot, neighbour
 
 
 def _parent_of_one(tree: DCITree, point: int, level: int) -> tuple[int, float]:
@@ -144,6 +230,14 @@ def _cluster_add(tree: DCITree, cid: int, point: int) -> None:
     if table.sizes_[page] < table.page_size:
         table.append(page, point)
         return
+    _place_beside(tree, page, neighbour, point)
+
+
+def _place_beside(tree: DCITree, page: int, neighbour: int, point: int) -> None:
+    """Page ``point`` (already in its cluster's runs) beside its run-0 ``neighbour``, whose ``page`` is full:
+    split the page, join the half that holds the neighbour, then merge small pages."""
+    table = tree.table
+    assert table is not None
     new_page = _split_page(tree, page)
     holder = new_page if table.page_of_[neighbour] == new_page else page
     table.append(holder, point)
