@@ -536,3 +536,29 @@ def test_compiled_leaf_insert_makes_the_general_paths_edits(n, inserted, seed, s
         assert np.array_equal(getattr(fast.table, name), getattr(slow.table, name)), name
     assert len(fast.table) == len(slow.table)
     assert_pages_ok(fast)
+
+
+@settings(max_examples=200, deadline=None)
+@given(lengths=st.lists(st.integers(1, 8), min_size=1, max_size=12), page_size=st.sampled_from([2, 4, 8]),
+       which=st.integers(0, 11), offset=st.integers(0, 5), seed=st.integers(0, 1000))
+def test_merge_partner_is_the_reference_rule(lengths, page_size, which, offset, seed):
+    """`_merge_partner` (compiled) picks what the rule says, computed here with lists: of the pages just before
+    and just after ``page``'s stretch of run 0, those that fit with it where one holds < P // 2, the first of the
+    smallest."""
+    from icecache.indexes.dci_update import _merge_partner
+
+    lengths = [min(n, page_size) for n in lengths]
+    rng = np.random.default_rng(seed)
+    ids = rng.permutation(sum(lengths) + offset)[: sum(lengths)]  # token ids in run-0 order (a block at `offset`)
+    page_of = np.full(ids.max() + 1, -1, np.int64)
+    sizes = np.array(lengths, np.int64)
+    seg_pages = np.repeat(np.arange(len(lengths)), lengths)
+    page_of[ids] = seg_pages
+    run_id = np.full((1, offset + len(ids) + 3), -1, np.int32)
+    run_id[0, offset : offset + len(ids)] = ids
+    page = which % len(lengths)
+    at = np.flatnonzero(seg_pages == page)
+    neighbours = [int(seg_pages[i]) for i in (at[0] - 1, at[-1] + 1) if 0 <= i < len(ids)]
+    fit = [o for o in neighbours if sizes[page] + sizes[o] <= page_size and min(sizes[page], sizes[o]) < page_size // 2]
+    expected = min(fit, key=lambda o: sizes[o]) if fit else -1
+    assert _merge_partner(run_id, offset, len(ids), page_of, sizes, page, page_size) == expected

@@ -318,19 +318,40 @@ def _merge_small_page(tree: DCITree, page: int) -> None:
     page_size = table.page_size
     while 0 <= page < len(table.sizes_) and table.sizes_[page] > 0:
         cid = int(tree.parent_of[int(table.members[page, 0])]) + 1
-        seg = tree.cluster_run0(cid)
-        at = np.flatnonzero(table.page_of_[seg] == page)
-        neighbours = [int(table.page_of_[seg[i]]) for i in (at[0] - 1, at[-1] + 1) if 0 <= i < len(seg)]
-        size = int(table.sizes_[page])
-        fit = [other for other in neighbours
-               if size + int(table.sizes_[other]) <= page_size and min(size, int(table.sizes_[other])) < page_size // 2]
-        if not fit:
+        other = int(_merge_partner(tree.run_id, int(tree.cluster_start[cid]), int(tree.cluster_size[cid]),
+                                   table.page_of_, table.sizes_, page, page_size))
+        if other < 0:
             return
-        other = min(fit, key=lambda candidate: int(table.sizes_[candidate]))
+        size = int(table.sizes_[page])
         src, dst = (page, other) if size <= int(table.sizes_[other]) else (other, page)
         for pos in table.members[src, : table.sizes_[src]].copy()[::-1]:
             table.move(int(pos), dst)  # the emptied page is freed
         page = dst
+
+
+@njit(nogil=True, cache=True)
+def _merge_partner(run_id, start, size, page_of, sizes, page, page_size) -> int:
+    """The page that `_merge_small_page` merges ``page`` with, or -1: of the pages just before and just after
+    ``page``'s stretch of its cluster's run 0 (the cluster block at ``start`` of ``size`` members), in that
+    order, those that fit together with it where one of the two holds fewer than ``page_size // 2`` points; the
+    first of the smallest."""
+    first = -1
+    last = -1
+    for i in range(size):
+        if page_of[run_id[0, start + i]] == page:
+            if first < 0:
+                first = i
+            last = i
+    mine = sizes[page]
+    best = -1
+    for i in (first - 1, last + 1):
+        if first < 0 or i < 0 or i >= size:
+            continue
+        other = page_of[run_id[0, start + i]]
+        if mine + sizes[other] <= page_size and min(mine, sizes[other]) < page_size // 2:
+            if best < 0 or sizes[other] < sizes[best]:
+                best = other
+    return best
 
 
 __all__ = ["insert"]
