@@ -502,30 +502,27 @@ def test_layer_select_declines_what_one_call_cannot_serve():
         make_pager("mdci", head_dim=16, layer_select="yes")
 
 
-@FAST
-@given(n=st.integers(1, 1500), inserted=st.integers(1, 120), seed=st.integers(0, 10_000),
-       scale=st.sampled_from([0.5, 1.0, 1.3]), page_size=st.sampled_from([2, 8, 16]))
-def test_compiled_leaf_insert_makes_the_general_paths_edits(n, inserted, seed, scale, page_size):
-    """Inserting one token at a time with the compiled level-0 path (`dci_update._leaf_fast_path`) leaves every
-    tree array, the page table and its move journal exactly as the general Python path does (some keys longer
-    than the index's: rekeys; small pages: splits)."""
+def grown_pager(seed: int, n: int, inserted: int, scale: float, page_size: int, **patches) -> tuple[MDCIPager, list]:
+    """An mdci pager built on ``n`` keys, then fed ``inserted`` keys one at a time with `dci_update`'s functions
+    replaced by ``patches``; returns it and the move journal of every insert."""
     from icecache.indexes import dci_update
 
-    def grown(fast: bool) -> tuple[MDCIPager, list]:
-        pager = make_pager("mdci", head_dim=16, page_size=page_size, seed=seed, record_moves=True)
-        pager.build(keys(seed, n))
-        pager.table.take_moves()
-        journal = []
-        with pytest.MonkeyPatch.context() as patch:
-            if not fast:
-                patch.setattr(dci_update, "_leaf_fast_path", lambda *args: False)
-            for row in keys(seed + 1, inserted, scale=scale):
-                pager.insert(row[None], check=False)
-                journal.append(pager.table.take_moves())
-        return pager, journal
+    pager = make_pager("mdci", head_dim=16, page_size=page_size, seed=seed, record_moves=True)
+    pager.build(keys(seed, n))
+    pager.table.take_moves()
+    journal = []
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in patches.items():
+            patch.setattr(dci_update, name, value)
+        for row in keys(seed + 1, inserted, scale=scale):
+            pager.insert(row[None], check=False)
+            journal.append(pager.table.take_moves())
+    return pager, journal
 
-    fast, fast_moves = grown(True)
-    slow, slow_moves = grown(False)
+
+def assert_same_index(a: tuple[MDCIPager, list], b: tuple[MDCIPager, list]) -> None:
+    """Every tree array, the page table and the move journals are equal."""
+    (fast, fast_moves), (slow, slow_moves) = a, b
     assert fast_moves == slow_moves
     tf, ts = fast.index.tree, slow.index.tree
     assert tf.num_points == ts.num_points and tf.msq == ts.msq and tf.level_counts == ts.level_counts
@@ -536,6 +533,45 @@ def test_compiled_leaf_insert_makes_the_general_paths_edits(n, inserted, seed, s
         assert np.array_equal(getattr(fast.table, name), getattr(slow.table, name)), name
     assert len(fast.table) == len(slow.table)
     assert_pages_ok(fast)
+
+
+@FAST
+@given(n=st.integers(1, 1500), inserted=st.integers(1, 120), seed=st.integers(0, 10_000),
+       scale=st.sampled_from([0.5, 1.0, 1.3]), page_size=st.sampled_from([2, 8, 16]))
+def test_compiled_leaf_insert_makes_the_general_paths_edits(n, inserted, seed, scale, page_size):
+    """Inserting one token at a time with the compiled level-0 path (`dci_update._leaf_fast_path`) leaves every
+    tree array, the page table and its move journal exactly as the general Python path does (some keys longer
+    than the index's: rekeys; small pages: splits)."""
+    assert_same_index(grown_pager(seed, n, inserted, scale, page_size),
+                      grown_pager(seed, n, inserted, scale, page_size, _leaf_fast_path=lambda *args: False))
+
+
+def detach_reference(stolen, parent_of, num_desc, cl_start, cl_size, run_key, run_id, Xr) -> int:
+    """`dci_update._detach` written one child at a time in Python (the code it replaced)."""
+    from icecache.indexes import _dci_kernels as kernels
+
+    moved = 0
+    for child in stolen.tolist():
+        old_parent = int(parent_of[child])
+        cid = old_parent + 1
+        kernels.cluster_remove(run_key, run_id, Xr, int(cl_start[cid]), int(cl_size[cid]), child)
+        cl_size[cid] -= 1
+        node, subtree = old_parent, 1 + int(num_desc[child])
+        while node >= 0:
+            num_desc[node] -= subtree
+            node = int(parent_of[node])
+        moved += subtree
+    return moved
+
+
+@FAST
+@given(n=st.integers(1, 1500), inserted=st.integers(60, 240), seed=st.integers(0, 10_000),
+       page_size=st.sampled_from([4, 16]))
+def test_compiled_detach_makes_the_python_loops_edits(n, inserted, seed, page_size):
+    """Adoptions (promoted tokens taking children from other parents) with the compiled `_detach` leave the index
+    exactly as the child-by-child Python loop does."""
+    assert_same_index(grown_pager(seed, n, inserted, 1.0, page_size),
+                      grown_pager(seed, n, inserted, 1.0, page_size, _detach=detach_reference))
 
 
 @settings(max_examples=200, deadline=None)

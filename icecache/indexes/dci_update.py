@@ -274,19 +274,10 @@ def _adopt(tree: DCITree, point: int, level: int) -> None:
     if len(stolen) == 0:
         return
     new_dists = tree.point_distance(stolen, np.full(len(stolen), point))
-    moved = 0
     table = tree.table
     shrunk = np.unique(table.page_of_[stolen]) if table is not None else None  # pages that lose points
-    for child in stolen:
-        child = int(child)
-        old_parent = int(tree.parent_of[child])
-        cid = old_parent + 1
-        kernels.cluster_remove(
-            tree.run_key, tree.run_id, tree.vectors_run0, int(tree.cluster_start[cid]), int(tree.cluster_size[cid]), child
-        )
-        tree.cluster_size[cid] -= 1
-        _path_add(tree, old_parent, -(1 + int(tree.num_descendants[child])))
-        moved += 1 + int(tree.num_descendants[child])
+    moved = int(_detach(stolen, tree.parent_of, tree.num_descendants, tree.cluster_start, tree.cluster_size,
+                        tree.run_key, tree.run_id, tree.vectors_run0))
     tree.parent_of[stolen] = point
     tree.parent_dist[stolen] = new_dists
     cid = point + 1
@@ -327,6 +318,27 @@ def _merge_small_page(tree: DCITree, page: int) -> None:
         for pos in table.members[src, : table.sizes_[src]].copy()[::-1]:
             table.move(int(pos), dst)  # the emptied page is freed
         page = dst
+
+
+@njit(nogil=True, cache=True)
+def _detach(stolen, parent_of, num_desc, cl_start, cl_size, run_key, run_id, Xr) -> int:
+    """Take each of ``stolen`` (in order) out of its current parent's cluster runs and subtract its subtree from
+    the descendant counts up that parent's path (``parent_of`` itself is left for the caller). Returns the
+    number of points moved (the children and their descendants)."""
+    moved = 0
+    for i in range(stolen.shape[0]):
+        child = stolen[i]
+        old_parent = parent_of[child]
+        cid = old_parent + 1
+        kernels.cluster_remove(run_key, run_id, Xr, cl_start[cid], cl_size[cid], child)
+        cl_size[cid] -= 1
+        subtree = 1 + num_desc[child]
+        node = old_parent
+        while node >= 0:
+            num_desc[node] -= subtree
+            node = parent_of[node]
+        moved += subtree
+    return moved
 
 
 @njit(nogil=True, cache=True)
