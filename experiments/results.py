@@ -260,7 +260,8 @@ def row_decode() -> tuple[str, str, str]:
             f"selects {sc['model_pagers']['round_robin_ms']:.1f} -> {ss['model_pagers']['round_robin_ms']:.1f} ms "
             f"({link('experiments/bench_runtime/select_cost/')}, {link('experiments/bench_runtime/select_cost_streamed/')})")
     chain = ("interleaved_8k_nocopy", "interleaved_8k_hotpath", "interleaved_8k_sampled", "interleaved_8k_autostep",
-             "interleaved_8k_ompworker", "interleaved_8k_capacity", "interleaved_8k_inline", "interleaved_8k_parallel")
+             "interleaved_8k_ompworker", "interleaved_8k_capacity", "interleaved_8k_inline", "interleaved_8k_parallel",
+             "interleaved_8k_s13")
     runs = {name: read_json(br / name / "tpot_interleaved.json")["variants"] for name in chain}
     floor = next(name for name in runs["interleaved_8k_sampled"] if name.startswith("floor@"))
     to_floor = lambda name: " -> ".join(times(r[name]["ratio_vs_floor_median"]) for r in runs.values())
@@ -268,7 +269,7 @@ def row_decode() -> tuple[str, str, str]:
     head += (f"; against the step's floor (full attention at {floor.split('@')[1]} tokens = sink + window + budget, same "
              f"rounds; before -> compiled hot path -> sampled top-k and cold-calibrated auto -> auto calibrated on select + "
              f"insert -> decode inserts on one intra-op thread -> buffers built with spare room -> inserts inline (the default on a CPU whose cores all run the model) -> the exact scan on both cores, one "
-             f"compiled select per layer, {links}): "
+             f"compiled select per layer -> M-DCI's layer select and common insert compiled, {links}): "
              f"exact {to_floor('exact@256')}, M-DCI {to_floor('mdci@256')}, `index=\"auto\"` {to_floor('auto@256')}, Quest pages "
              f"{to_floor('sequential@256')} (issue 24's target 1.2x and <= Quest: missed)")
     old_w, new_w = (read_json(br / name / "tpot_interleaved.json")["variants"]
