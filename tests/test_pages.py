@@ -149,3 +149,40 @@ def test_bad_operations_raise(action, exc):
 def test_page_size_must_be_positive():
     with pytest.raises(ValueError, match="page_size"):
         PageTable(0)
+
+
+@given(page_size=st.integers(1, 6), groups=st.lists(st.integers(1, 6), min_size=1, max_size=10),
+       picks=st.lists(st.integers(0, 59), max_size=12), target=st.integers(0, 9), fresh=st.booleans())
+def test_move_many_is_move_one_by_one(page_size, groups, picks, target, fresh):
+    """`move_many` leaves the same members, slots, free list and journal as `move` called position by position
+    (brute-force reference), including moves within the target page, sources that empty and free, and the
+    error when the target fills up (the moves before it made)."""
+    tables = [PageTable(page_size, record_moves=True) for _ in range(2)]
+    start = 0
+    for table in tables:
+        start = 0
+        for size in groups:
+            size = min(size, page_size)
+            table.new_pages([list(range(start, start + size))])
+            start += size
+        table.take_moves()
+    positions = list(dict.fromkeys(p % start for p in picks))  # distinct paged positions
+    outcomes = []
+    for one_by_one, table in zip((True, False), tables):
+        dst = table.new_page() if fresh else target % len(groups)
+        try:
+            if one_by_one:
+                for pos in positions:
+                    table.move(pos, dst)
+            else:
+                table.move_many(positions, dst)
+            outcomes.append("ok")
+        except ValueError:
+            outcomes.append("full")
+    a, b = tables
+    assert outcomes[0] == outcomes[1]
+    assert np.array_equal(a.members, b.members) and np.array_equal(a.sizes_, b.sizes_)
+    assert np.array_equal(a.page_of_, b.page_of_) and np.array_equal(a.slot_of_, b.slot_of_)
+    assert a._free == b._free and a.take_moves() == b.take_moves()
+    if outcomes[0] == "ok" and (positions or not fresh):  # (an unused fresh page stays empty)
+        a.check()

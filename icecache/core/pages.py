@@ -61,6 +61,55 @@ def _budget_csr(members, sizes, num_ids, ids, budget):
     return j, indptr[: j + 1].copy(), pos
 
 
+@njit(nogil=True, cache=True)
+def _move_many(positions, dst, members, sizes, page_of, slot_of, page_size, journal, freed):
+    """`PageTable.move` of each of ``positions`` in order into page ``dst``, on the arrays. Writes the journal
+    rows ``(position, src_page, src_slot, dst_page, dst_slot)`` and the freed page ids in the order `move`
+    would; returns ``(rows, freed count, -1)``, or ``(rows, freed, i)`` when ``positions[i]`` is not paged or
+    ``dst`` is full (stopped there)."""
+    rows = 0
+    nfreed = 0
+    for i in range(positions.shape[0]):
+        pos = positions[i]
+        src = page_of[pos]
+        if src < 0:
+            return rows, nfreed, i
+        if src == dst:
+            continue
+        slot = sizes[dst]
+        if slot >= page_size:
+            return rows, nfreed, i
+        src_slot = slot_of[pos]
+        members[dst, slot] = pos
+        sizes[dst] = slot + 1
+        page_of[pos] = dst
+        slot_of[pos] = slot
+        journal[rows, 0] = pos
+        journal[rows, 1] = src
+        journal[rows, 2] = src_slot
+        journal[rows, 3] = dst
+        journal[rows, 4] = slot
+        rows += 1
+        n = sizes[src] - 1  # close the hole: the source's last slot fills it
+        last = members[src, n]
+        members[src, n] = -1
+        sizes[src] = n
+        if src_slot < n:
+            members[src, src_slot] = last
+            slot_of[last] = src_slot
+            journal[rows, 0] = last
+            journal[rows, 1] = src
+            journal[rows, 2] = n
+            journal[rows, 3] = src
+            journal[rows, 4] = src_slot
+            rows += 1
+        if n == 0:
+            sizes[src] = -1
+            freed[nfreed] = src
+            nfreed += 1
+    return rows, nfreed, -1
+
+
 class Move(NamedTuple):
     """One slot change: ``position`` went from ``(src_page, src_slot)`` to ``(dst_page, dst_slot)``."""
 
@@ -281,6 +330,26 @@ class PageTable:
         self._close_hole(src_page, src_slot)
         return slot
 
+    def move_many(self, positions: Sequence[int] | np.ndarray, dst_page: int) -> None:
+        """`move` of each of ``positions``, in order, into ``dst_page``, in one compiled pass: the same slots,
+        journal entries and freed pages as the calls one by one."""
+        pos = np.ascontiguousarray(positions, dtype=np.int64)
+        if pos.size == 0:
+            return
+        self._size(dst_page)  # a live page, or KeyError
+        if pos.min() < 0 or pos.max() >= len(self.page_of_):
+            raise ValueError(f"positions {pos.tolist()[:8]}... are not all paged")
+        journal = np.empty((2 * pos.size, 5), np.int64)
+        freed = np.empty(pos.size, np.int64)
+        rows, nfreed, failed = _move_many(pos, int(dst_page), self.members, self.sizes_, self.page_of_, self.slot_of_,
+                                          self.page_size, journal, freed)
+        if self.record_moves:
+            self._moves.extend(Move(*row) for row in journal[:rows].tolist())
+        self._free.extend(freed[:nfreed].tolist())
+        if failed >= 0:
+            raise ValueError(f"position {int(pos[failed])} is not paged or page {dst_page} is full "
+                             f"({self.page_size} positions)")
+
     def remove(self, position: int) -> None:
         """Take a position out of its page (the page's last slot fills the hole; an empty page is freed)."""
         position = int(position)
@@ -310,8 +379,7 @@ class PageTable:
         moving = self.members[page_id, slots].copy()
         new_id = self._take_id()
         # Highest slots first, so the hole-filling inside `move` never touches a slot still to be moved.
-        for position in moving[::-1]:
-            self.move(int(position), new_id)
+        self.move_many(moving[::-1], new_id)
         return new_id
 
     def free_page(self, page_id: int) -> None:

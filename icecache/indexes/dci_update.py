@@ -290,9 +290,7 @@ def _adopt(tree: DCITree, point: int, level: int) -> None:
     _path_add(tree, point, moved)
     if table is not None:
         for group in even_groups(tree, tree.cluster_run0(cid)):
-            new_page = table.new_page()
-            for pos in group:
-                table.move(int(pos), new_page)
+            table.move_many(group, table.new_page())
         if tree.params.page_split == "projection":
             for page in shrunk:
                 _merge_small_page(tree, int(page))
@@ -315,8 +313,7 @@ def _merge_small_page(tree: DCITree, page: int) -> None:
             return
         size = int(table.sizes_[page])
         src, dst = (page, other) if size <= int(table.sizes_[other]) else (other, page)
-        for pos in table.members[src, : table.sizes_[src]].copy()[::-1]:
-            table.move(int(pos), dst)  # the emptied page is freed
+        table.move_many(table.members[src, : table.sizes_[src]][::-1].copy(), dst)  # the emptied page is freed
         page = dst
 
 
