@@ -61,6 +61,15 @@ def _budget_csr(members, sizes, num_ids, ids, budget):
     return j, indptr[: j + 1].copy(), pos
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _journal_row(journal, row, position, src_page, src_slot, dst_page, dst_slot) -> None:
+    journal[row, 0] = position
+    journal[row, 1] = src_page
+    journal[row, 2] = src_slot
+    journal[row, 3] = dst_page
+    journal[row, 4] = dst_slot
+
+
 @njit(nogil=True, cache=True)
 def _move_many(positions, dst, members, sizes, page_of, slot_of, page_size, journal, freed):
     """`PageTable.move` of each of ``positions`` in order into page ``dst``, on the arrays. Writes the journal
@@ -84,11 +93,7 @@ def _move_many(positions, dst, members, sizes, page_of, slot_of, page_size, jour
         sizes[dst] = slot + 1
         page_of[pos] = dst
         slot_of[pos] = slot
-        journal[rows, 0] = pos
-        journal[rows, 1] = src
-        journal[rows, 2] = src_slot
-        journal[rows, 3] = dst
-        journal[rows, 4] = slot
+        _journal_row(journal, rows, pos, src, src_slot, dst, slot)
         rows += 1
         n = sizes[src] - 1  # close the hole: the source's last slot fills it
         last = members[src, n]
@@ -97,11 +102,7 @@ def _move_many(positions, dst, members, sizes, page_of, slot_of, page_size, jour
         if src_slot < n:
             members[src, src_slot] = last
             slot_of[last] = src_slot
-            journal[rows, 0] = last
-            journal[rows, 1] = src
-            journal[rows, 2] = n
-            journal[rows, 3] = src
-            journal[rows, 4] = src_slot
+            _journal_row(journal, rows, last, src, n, src, src_slot)
             rows += 1
         if n == 0:
             sizes[src] = -1
