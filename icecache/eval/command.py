@@ -71,7 +71,7 @@ def add_eval_arguments(ev: argparse.ArgumentParser) -> None:
     task.add_argument("--ray", action="store_true", help="ruler: shard the samples as Ray tasks (also when RAY_ADDRESS is set)")
     task.add_argument("--workers", type=positive_int, default=None,
                       help="ruler: answer samples on N local processes of cpu_count/N torch threads each (default: this "
-                           "process; on 2 cores 2 workers finish ~2.3x the samples per minute); with --ray, the number of actors")
+                           "process; on 2 cores 2 workers finished about twice the samples per minute); with --ray, the number of actors")
     task.add_argument("--data-seed", type=int, default=None, help="ruler: seed of the generated samples (default 42, RULER's)")
     task.add_argument("--diagnose", default=None, metavar="METHOD@BUDGET,...",
                       help="ruler: classify the samples these rows of the --out run lost (model, budget, page or search miss)")

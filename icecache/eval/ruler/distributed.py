@@ -7,9 +7,9 @@ and local runs resume each other and give the same records (up to timings). Ray 
 (``pip install 'icecache[ray]'``); without ``RAY_ADDRESS`` Ray starts locally on this machine.
 
 Why processes on one machine: a decode step of these small models is mostly single-threaded Python (selection,
-inserts, bookkeeping) between torch ops too small to gain from a second thread. On the 2-core VM, two workers of
-one thread each finished 2.3x the records per minute of one process on two threads (SmolLM2 at 4k,
-``experiments/ruler/README.md``).
+inserts, bookkeeping) between torch ops too small to gain from a second thread. On the 2-core VM, two processes
+of one thread each finished about twice the records per minute of one process on two threads (SmolLM2 at 4k:
+11.6 against ~5; ``experiments/ruler/README.md``).
 """
 
 from __future__ import annotations
