@@ -254,7 +254,7 @@ class DCITree:
 
     def lift_one(self, point: int) -> None:
         """`lift` of one id, compiled (a decode step's insert lifts one point per (layer, KV head))."""
-        _lift_point(point, self.vectors, self.dirs, self.dim, float(self.msq), self.mips, self.ext, self.proj)
+        lift_point(point, self.vectors, self.dirs, self.dim, float(self.msq), self.mips, self.ext, self.proj)
 
     def query_proj(self, Q: np.ndarray) -> np.ndarray:
         """Query projections ``[g, M]`` float64. MIPS: of ``c q / |q|`` with ``c = sqrt(msq)`` (a zero query
@@ -384,12 +384,12 @@ class DCITree:
             assert int(table.sizes_[seq].sum()) == len(ids), f"a page of cluster {int(cid) - 1} holds foreign points"
 
 
-__all__ = ["DCITree"]
+__all__ = ["DCITree", "lift_point"]
 
 
 @njit(nogil=True, cache=True)
-def _lift_point(point: int, vectors: np.ndarray, dirs: np.ndarray, dim: int, msq: float, mips: bool, ext: np.ndarray,
-                proj: np.ndarray) -> None:
+def lift_point(point: int, vectors: np.ndarray, dirs: np.ndarray, dim: int, msq: float, mips: bool, ext: np.ndarray,
+               proj: np.ndarray) -> None:
     """`DCITree.lift` of the one id ``point``: float64 sums, stored as float32 (``ext`` only for MIPS)."""
     sq = 0.0
     for i in range(dim):

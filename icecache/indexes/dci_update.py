@@ -28,7 +28,7 @@ from icecache.indexes.dci_build import (
     even_groups,
     search_parents,
 )
-from icecache.indexes.dci_tree import DCITree, _lift_point
+from icecache.indexes.dci_tree import DCITree, lift_point
 
 #: `_insert_leaf` outcomes
 LEAF_DONE, LEAF_NEEDS_CLUSTER, LEAF_PAGE_FULL = 0, 1, 2
@@ -152,7 +152,7 @@ def _insert_leaf(point, vector, upper, X, ext, proj, dirs, dim, msq, level_of, p
     cl_start[point + 1] = 0
     cl_size[point + 1] = 0
     cl_cap[point + 1] = 0
-    _lift_point(point, X, dirs, dim, msq, True, ext, proj)
+    lift_point(point, X, dirs, dim, msq, True, ext, proj)
     parent, dist = kernels.brute_nearest_one(point, upper, X, ext, 2, msq)
     parent_dist[point] = dist
     parent_of[point] = parent

@@ -7,8 +7,9 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any
 
 from icecache.core.errors import ConfigError
@@ -153,17 +154,20 @@ def measure_decode_index(
             logits = model(input_ids[:, :tokens], past_key_values=cache, use_cache=True, logits_to_keep=1).logits
             cache.workers.wait_all()
             jobs = 0
+            kinds: set[type] = set()
             for layer in cache.layers:
                 for row in getattr(layer, "pagers", None) or []:
                     for pg in row:
                         pg.select_arrays = timed(pg.select_arrays, "select")
                         pg.insert = timed(pg.insert, "insert")
+                        kinds.add(type(pg))
                         jobs += 1
             tok = logits[0, -1].argmax().view(1, 1)
             for step in range(steps + 2):
                 a0 = dict(acc)
                 t0 = time.perf_counter()
-                tok = model(tok, past_key_values=cache, use_cache=True).logits[0, -1].argmax().view(1, 1)
+                with layer_selects_timed(kinds, acc):
+                    tok = model(tok, past_key_values=cache, use_cache=True).logits[0, -1].argmax().view(1, 1)
                 wall = time.perf_counter() - t0
                 if acc["selects"] - a0["selects"] != jobs or acc["inserts"] - a0["inserts"] not in (0, jobs):
                     raise RuntimeError(f"decode index timing: {acc['selects'] - a0['selects']} selects and "
@@ -180,6 +184,31 @@ def measure_decode_index(
         log(f"  {pager}: in the runtime at n={n}: select {statistics.median(sel_s) * 1e3:.3f} ms, insert "
             f"{statistics.median(ins_s) * 1e3:.3f} ms per pager ({jobs} per step), step {statistics.median(step_s) * 1e3:.1f} ms")
     return [r for n, r in sorted(rows.items()) if r]
+
+
+@contextmanager
+def layer_selects_timed(kinds: set[type], acc: dict[str, Any]) -> Iterator[None]:
+    """While open, every one-call layer selection (a pager class's ``select_layer_positions``, which serves all KV
+    heads of a layer row without calling their ``select_arrays``) adds its seconds to ``acc["select"]`` and one
+    select per pager it served to ``acc["selects"]``; the classes are restored on exit."""
+    saved = {kind: kind.__dict__["select_layer_positions"] for kind in kinds if "select_layer_positions" in kind.__dict__}
+    for kind, attr in saved.items():
+        fused = attr.__func__ if isinstance(attr, staticmethod) else attr
+
+        def run(pagers: list[Any], queries: Any, budget: int, fused: Callable[..., Any] = fused) -> Any:
+            t0 = time.perf_counter()
+            out = fused(pagers, queries, budget)
+            acc["select"] += time.perf_counter() - t0
+            if out is not None:
+                acc["selects"] += len(pagers)
+            return out
+
+        kind.select_layer_positions = staticmethod(run)
+    try:
+        yield
+    finally:
+        for kind, attr in saved.items():
+            kind.select_layer_positions = attr
 
 
 def measure_pool(
