@@ -116,6 +116,18 @@ def test_bootstrap_average_brackets_the_mean_and_needs_two_samples():
     assert lo == hi == 0.5  # no spread within tasks: no interval width
 
 
+def test_plot_accepts_a_degenerate_interval_a_rounding_step_off_the_average(tmp_path):
+    """A bootstrap with no spread can put its interval one float step above the average (seen on a partial
+    Gemma run: 15.151515151515151 vs [15.151515151515149, ...]); the plot must still be written."""
+    from icecache.eval.ruler.report import plot
+
+    avg = 15.151515151515151
+    summary = [{"length": 4096, "row": row, "tasks": {"vt": avg}, "average": avg, "ci_low": avg + 1e-12,
+                "ci_high": avg - 1e-12, "samples": 2} for row in ("full", "icecache@64")]
+    plot(summary, tmp_path / "r.png")
+    assert (tmp_path / "r.png").stat().st_size > 0
+
+
 def test_run_json_holds_the_settings(tmp_path):
     PredictionLog(tmp_path, _spec().signature())
     data = json.loads((tmp_path / "run.json").read_text())

@@ -123,8 +123,10 @@ def plot(summary: Sequence[dict[str, Any]], path: str | Path) -> None:
         pts = sorted((e["length"], e) for e in summary if e["row"] == row)
         xs = [p[0] for p in pts]
         ys = [p[1]["average"] for p in pts]
-        err = [[y - p[1]["ci_low"] if not math.isnan(p[1]["ci_low"]) else 0 for y, p in zip(ys, pts)],
-               [p[1]["ci_high"] - y if not math.isnan(p[1]["ci_high"]) else 0 for y, p in zip(ys, pts)]]
+        # clamped at 0: a degenerate bootstrap (every resample the same mean) can land a rounding error on
+        # the wrong side of the average, and matplotlib refuses negative error bars
+        err = [[max(0.0, y - p[1]["ci_low"]) if not math.isnan(p[1]["ci_low"]) else 0 for y, p in zip(ys, pts)],
+               [max(0.0, p[1]["ci_high"] - y) if not math.isnan(p[1]["ci_high"]) else 0 for y, p in zip(ys, pts)]]
         ax_len.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=row, lw=2 if row == "full" else 1,
                         color="k" if row == "full" else None)
     ax_len.set_xscale("log", base=2)
