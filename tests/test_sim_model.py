@@ -229,6 +229,7 @@ def test_device_memory_feasibility(profile):
         (dict(dense_layers=(-1,)), ConfigError),
         (dict(dense_layers=2), ConfigError),  # a count, as SimConfig once took: refused, layer 2 is not "two layers"
         (dict(reuse_every=0), ConfigError),
+        (dict(inserts="threaded"), ConfigError),
     ],
 )
 def test_bad_configs_raise_clear_errors(kw, err):
@@ -342,13 +343,75 @@ def test_runtime_waits_for_each_layers_index_build_before_selecting():
 
 def test_runtime_and_paper_differ_only_where_the_runtime_does_differently(profile):
     costs = _costs("this-machine", profile)
-    cfg = SimConfig("smollm2", "this-machine", "icecache", 4000, budget=256, page_size=16, threads=2)
+    cfg = SimConfig("smollm2", "this-machine", "icecache", 4000, budget=256, page_size=16, threads=2, inserts="background")
     rt, pp = simulate(cfg, costs, with_prefill=False), simulate(cfg.replace(impl="paper"), costs, with_prefill=False)
     # selects: 3 heads one after another on the caller's thread vs ceil(3 / 2) pool rounds
     assert rt.stages["select"] == pytest.approx(pp.stages["select"] * 3 / 2, rel=1e-9)
     assert rt.stages["attend"] == pytest.approx(pp.stages["attend"], rel=1e-9)
     assert pp.stages["prefetch"] == 0 and rt.stages["prefetch"] > 0 and pp.stages["other"] == 0 < rt.stages["other"]
     assert rt.stages["overhead"] > 0 == pp.stages["overhead"]
+
+
+def _inline(plan: StepPlan) -> StepPlan:
+    import dataclasses
+
+    return dataclasses.replace(plan, inline_inserts=True)
+
+
+@settings(max_examples=30)
+@given(t=runtime_times, n_layers=st.integers(1, 6), heads=st.integers(1, 8), threads=st.integers(1, 8), shared=st.booleans())
+def test_runtime_step_with_inline_inserts_is_the_serial_sum_with_the_inserts(t, n_layers, heads, threads, shared):
+    """Inline inserts (`IceCacheConfig.inserts="inline"`): every layer inserts its leaving token on the caller's
+    thread when it is reached, so the step is the caller's stages plus every insert, booked to ``insert``, with
+    no background work and no second step to wait for."""
+    plan = _inline(_runtime_plan(n_layers, t, heads, threads, shared=shared))
+    assert not plan.has_background
+    expected = _main_path(t, n_layers, heads) + n_layers * heads * t["insert"]
+    for fine in (False, True):
+        res = simulate_step(plan, fine=fine)
+        assert res.seconds == pytest.approx(expected, rel=1e-9)
+        assert res.busy["prefetch"] == 0
+        assert res.busy["insert"] == pytest.approx(n_layers * (t["append"] + heads * t["insert"]), rel=1e-9)
+        assert res.timed["insert"] == pytest.approx(res.busy["insert"], rel=1e-9)
+
+
+def test_runtime_first_step_with_inline_inserts_inserts_once_per_layer():
+    t = dict(compute=1e-3, attend=2e-4, insert=3e-4, select=5e-4, append=1e-5, bookkeep=2e-5, overhead=4e-5, gather=1e-4,
+             copy=5e-5, scatter=6e-5, head=2e-3, other=0.0)
+    n_layers, heads = 4, 3
+    step = _inline(_runtime_plan(n_layers, t, heads, 2, shared=True))
+    pre = PrefillPlan(tuple(PrefillLayer(1e-2) for _ in range(n_layers)), 1e-3, 2, 1.0, True)
+    req = simulate_request(pre, step)
+    assert req.tt2t_s - req.ttft_s == pytest.approx(simulate_step(step).seconds, rel=1e-9)
+
+
+@pytest.mark.parametrize(
+    "machine, mode, background",
+    [
+        ({"cpu_count": 2, "torch_threads": 2}, "auto", False),  # the model's ops on every core: inline
+        ({"cpu_count": 4, "torch_threads": 2}, "auto", True),  # a core left free: a worker
+        ({"cpu_count": 2}, "auto", False),  # threads not recorded: no free core known
+        ({"cpu_count": 2, "torch_threads": 2}, "background", True),
+        ({"cpu_count": 4, "torch_threads": 2}, "inline", False),
+    ],
+)
+def test_insert_mode_is_decided_per_machine_as_the_runtime_decides(machine, mode, background):
+    import dataclasses
+
+    from icecache.sim.cost_models import MeasuredCosts
+    from icecache.sim.plans import plan_decode_step
+    from icecache.sim.testing import synthetic_profile
+
+    base = synthetic_profile()
+    prof = dataclasses.replace(base, machine={**base.machine, **machine})
+    costs = MeasuredCosts(prof, extrapolation="allow")
+    assert costs.background_inserts(mode) is background
+    cfg = SimConfig("smollm2-135m-instruct", "this-machine", "icecache", 4000, budget=64, threads=1, inserts=mode)
+    plan = plan_decode_step(cfg, costs)
+    assert plan.inline_inserts is not background and plan.has_background is background
+    assert not plan_decode_step(cfg.replace(impl="paper"), costs).inline_inserts  # the paper's model: no runtime inserts
+    gpu = make_costs(get_hardware("h100", base), base, "allow")
+    assert gpu.background_inserts("auto") and not gpu.background_inserts("inline")
 
 
 def test_runtime_tpot_includes_the_first_step_as_the_runtime_reports_it(profile):

@@ -117,6 +117,20 @@ def test_measured_page_reuse_rate_is_used_as_an_input(sim):
     assert hi.stages["gather"] < lo.stages["gather"]
 
 
+def test_a_run_is_simulated_with_the_insert_mode_it_ran_with(sim):
+    cfg = SimConfig("smollm2", "this-machine", "icecache", 4096, budget=256, page_size=16, threads=2)
+    (run,) = synthetic_runs([cfg], sim)
+    with_mode = lambda mode: MeasuredRun(**{**run.__dict__, "extra": {"stats": {"inserts": mode}}}).config()
+    assert with_mode("background").inserts == "background" and with_mode("inline").inserts == "inline"
+    assert with_mode("not started").inserts == "auto" == run.config().inserts  # nothing ran: the machine's rule
+    from icecache.sim.validate import predict_runs
+
+    bg, inline = (predict_runs([MeasuredRun(**{**run.__dict__, "extra": {"stats": {"inserts": m}}})], sim)[0]
+                  for m in ("background", "inline"))
+    # the runtime's insert timer reads the whole inline insert; a background insert only its window write there
+    assert inline.stages["insert"] > 10 * bg.stages["insert"] > 0
+
+
 def test_validate_command(tmp_path, capsys, sim):
     prof = synthetic_profile().save(tmp_path / "profile.json")
     runs = synthetic_runs(_configs(), sim, stage_factors={"attend": 1.1}, noise=0.02)

@@ -129,7 +129,7 @@ def cmd_project(args: argparse.Namespace) -> int:
 
     template = SimConfig(args.model, args.hardware, "full", max(args.budget, 1), budget=args.budget, page_size=args.page_size,
                          sink=args.sink, window=args.window, threads=args.threads, dense_layers=parse_dense_layers(args.dense_layers),
-                         reuse_every=args.reuse_every, impl=args.impl, new_tokens=args.new_tokens)
+                         reuse_every=args.reuse_every, impl=args.impl, new_tokens=args.new_tokens, inserts=args.inserts)
     _, md, paths = projection(_simulator(args), template, parse_contexts(args.context), _csv(args.variants), out=args.out,
                               plots=not args.no_plots, command=command_line(args.argv))
     print(md)
@@ -165,6 +165,12 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    import dataclasses
+
+    from icecache.core.config import INSERT_MODES
+    from icecache.sim.config import SimConfig
+
+    sim_defaults = {f.name: f.default for f in dataclasses.fields(SimConfig)}  # one source of defaults
     ap = argparse.ArgumentParser(prog="python -m icecache.sim", description="IceCache timing simulator")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
@@ -231,6 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--reuse-every", type=int, default=1, help="icecache-r: sparse layers per selection (default 1)")
     p.add_argument("--impl", choices=("runtime", "paper"), default="runtime")
+    p.add_argument("--inserts", choices=INSERT_MODES, default=sim_defaults["inserts"],
+                   help="where the runtime's decode inserts run, as IceCacheConfig.inserts (default: auto, as the runtime "
+                        "decides on the profiled machine)")
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--out", default=None, help="write <out>.csv/.md/.png (path without suffix); default: print only")
     p.add_argument("--no-plots", action="store_true")

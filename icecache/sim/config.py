@@ -2,7 +2,7 @@
 
 `SimConfig` uses `icecache.core.config.IceCacheConfig`'s names, meanings and defaults where both describe the
 same thing: ``budget``, ``page_size``, ``sink``, ``window``, ``dense_layers`` (layer indices, default ``(0, 1)``),
-``reuse_every`` (default 1) and ``trace``.
+``reuse_every`` (default 1), ``inserts`` (default ``"auto"``) and ``trace``.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from icecache.core.config import INSERT_MODES
 from icecache.core.errors import ConfigError, UnknownNameError
 from icecache.sim.costs import SCATTER_OPS
 from icecache.sim.hardware import canonical_hardware
@@ -62,6 +63,11 @@ class SimConfig:
     scatter_calls : int
         Scatter operations per sparse layer and step (the runtime: `SCATTER_OPS`, index_copy_ of K and V plus
         the validity-mask write; the mask is written even when nothing was copied).
+    inserts : str
+        Where the runtime's decode inserts run, as `IceCacheConfig.inserts`: ``"background"`` (a worker thread;
+        the layer waits for it one step later), ``"inline"`` (on the decode thread, when the layer is reached),
+        or ``"auto"`` (default): decided per machine as the runtime decides (`CostModel.background_inserts`).
+        ``impl="paper"`` ignores it.
     trace : bool
         The runtime records a selection trace (``IceCacheConfig(trace=True)``), which costs untimed host work
         per sparse layer (measured as ``overhead_traced``).
@@ -85,6 +91,7 @@ class SimConfig:
     gather_calls: int = 0
     copy_calls: int = 1
     scatter_calls: int = SCATTER_OPS
+    inserts: str = "auto"
     trace: bool = False
 
     def __post_init__(self) -> None:
@@ -92,6 +99,8 @@ class SimConfig:
             raise UnknownNameError(f"unknown variant {self.variant!r}; known: {', '.join(VARIANTS)}")
         if self.impl not in IMPLS:
             raise UnknownNameError(f"unknown implementation {self.impl!r}; known: {', '.join(IMPLS)}")
+        if self.inserts not in INSERT_MODES:
+            raise ConfigError(f"SimConfig.inserts must be one of {', '.join(map(repr, INSERT_MODES))}, got {self.inserts!r}")
         shape = get_shape(self.model)
         object.__setattr__(self, "model", shape.name)  # canonical names (aliases accepted)
         object.__setattr__(self, "hardware", canonical_hardware(self.hardware))

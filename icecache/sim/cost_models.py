@@ -103,6 +103,14 @@ class MeasuredCosts(CostModel):
     def shared(self) -> bool:
         return True
 
+    @property
+    def free_cores(self) -> int:
+        """CPU cores the calibrated torch threads left free (``machine["torch_threads"]``; 0 when not recorded)."""
+        machine = self.profile.machine
+        if "torch_threads" not in machine:
+            return 0
+        return max(int(machine.get("cpu_count", 1)) - int(machine["torch_threads"]), 0)
+
     # -- device side (here: the CPU)
     def layer_compute_s(self, shape: ModelShape, notes: Notes = None) -> float:
         """Non-attention work of one decode layer (norms, projections, MLP, framework overhead)."""

@@ -55,6 +55,19 @@ class CostModel(ABC):
     def shared(self) -> bool:
         """One machine runs everything: the device, the links and the pool share its CPU (a CPU-only machine)."""
 
+    @property
+    def free_cores(self) -> int:
+        """CPU cores the model's own threads leave free on a shared machine (0 unless measured)."""
+        return 0
+
+    def background_inserts(self, mode: str) -> bool:
+        """Whether the runtime's decode inserts run on a worker thread here, as `IceCacheConfig.inserts` decides
+        (the runtime's insert-worker rule): ``"background"`` / ``"inline"`` as given; ``"auto"``:
+        background off a shared machine (the KV is on an accelerator) or when the model leaves a core free."""
+        if mode != "auto":
+            return mode == "background"
+        return not self.shared or self.free_cores > 0
+
     # -- device work
     @abstractmethod
     def layer_compute_s(self, shape: ModelShape, notes: Notes = None) -> float:
@@ -158,6 +171,10 @@ class CostModelWrapper(CostModel):
     @property
     def shared(self) -> bool:
         return self.base.shared
+
+    @property
+    def free_cores(self) -> int:
+        return self.base.free_cores
 
     def layer_compute_s(self, shape: ModelShape, notes: Notes = None) -> float:
         return self.base.layer_compute_s(shape, notes)

@@ -156,14 +156,16 @@ class Machine:
                     yield pending.pop(layer)  # `pipeline.wait(layer)` in `_decode_append`
                 if index_ready is not None:
                     yield index_ready[layer]  # the same wait covers the layer's prefill jobs
-                sync = lp.insert_jobs * lp.insert_job_s + lp.insert_store_s if (first or pending is None) else 0.0
+                # inline inserts (and the first step's) insert the token leaving now, when the layer is reached
+                inline = first or pending is None or plan.inline_inserts
+                sync = lp.insert_jobs * lp.insert_job_s + lp.insert_store_s if inline else 0.0
                 yield from self.host(lp.append_s + sync, "insert")
                 yield from self.host(lp.overhead_s, "overhead")
                 if lp.selects:
                     yield from self.host(lp.select_jobs * lp.select_job_s, "select")
                 loads[layer] = self.env.process(self.load(lp, None, caller=True))
                 yield loads[layer]
-                if pending is not None and lp.insert_jobs:  # `_prefetch_insert`: the token leaving next step
+                if pending is not None and lp.insert_jobs and not plan.inline_inserts:  # `_prefetch_insert`
                     pending[layer] = self.env.process(self._background_insert(lp))
                     if self.shared:  # the worker starts at once and takes the CPU (the GIL) before attention
                         yield self.env.timeout(0)

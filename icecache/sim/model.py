@@ -13,10 +13,12 @@ Two implementations (`SimConfig.impl`), which differ in where the host work runs
     after another; the `BulkLoader`'s bookkeeping ("other"), one ``index_select`` per (row, KV head) with new
     tokens into one staging buffer ("gather"), one copy ("copy"), two ``index_copy_`` plus a validity-mask
     write ("scatter"); the window ring write on the caller's thread ("insert"); and the insertion of the
-    token that leaves the window at the *next* step into the pagers and host stores as one job per layer on
-    the worker pool ("prefetch"), started after the layer's load and waited for when the layer is reached
-    again one step later. The first decode step after prefill inserts synchronously (nothing was prefetched)
-    and waits for each layer's index build. Selections of ``icecache-r`` are reused, their loads are not
+    token that leaves the window into the pagers and host stores, where `SimConfig.inserts` puts it (decided
+    per machine as the runtime decides): in the background, the token leaving at the *next* step as one job
+    per layer on the worker pool ("prefetch"), started after the layer's load and waited for when the layer is
+    reached again one step later; or inline, the token leaving now on the caller's thread when the layer is
+    reached ("insert"; a CPU whose cores all run the model). The first decode step after prefill inserts
+    synchronously (nothing was prefetched) and waits for each layer's index build. Selections of ``icecache-r`` are reused, their loads are not
     started early.
 ``paper``: the paper's implementation as the simulator modelled it before (IceCache paper, A100 breakdown):
     index queries and inserts of the KV heads on the thread pool, synchronous, and the pages of the layers that

@@ -56,7 +56,9 @@ class StepPlan:
     ``groups[l]`` lists the layers that use the selection made at layer ``l`` (``l`` first); ``index_of[l]``
     is the layer whose index layer ``l`` reads (itself unless it reuses). ``impl`` is ``"runtime"`` or
     ``"paper"`` (`SimConfig.impl`); ``prefetch`` lets the layers that reuse a selection load early (paper);
-    ``background_share`` is the fraction of background pool work that holds a shared machine.
+    ``background_share`` is the fraction of background pool work that holds a shared machine;
+    ``inline_inserts``: the runtime inserts the token leaving the window on the caller's thread when the layer is
+    reached (`SimConfig.inserts`), not on the pool one step ahead.
     """
 
     layers: tuple[LayerPlan, ...]
@@ -70,11 +72,13 @@ class StepPlan:
     index_of: dict[int, int]
     impl: str = "paper"
     background_share: float = 1.0
+    inline_inserts: bool = False
 
     @property
     def has_background(self) -> bool:
         """Inserts run on the pool in the background (the runtime's prefetch)."""
-        return self.impl == "runtime" and any(lp.insert_jobs and lp.insert_job_s > 0 for lp in self.layers)
+        return (self.impl == "runtime" and not self.inline_inserts
+                and any(lp.insert_jobs and lp.insert_job_s > 0 for lp in self.layers))
 
 
 @dataclass(frozen=True)
@@ -187,6 +191,7 @@ def plan_decode_step(
         layers=tuple(layers), head_s=costs.head_s(shape, notes), other_s=costs.step_other_s(shape, notes), threads=threads,
         efficiency=costs.pool_efficiency(threads, notes), shared=costs.shared, prefetch=not runtime,
         groups=groups, index_of=index_of, impl=cfg.impl, background_share=costs.background_share(notes),
+        inline_inserts=runtime and not costs.background_inserts(cfg.inserts),
     )
 
 

@@ -96,7 +96,7 @@ class MeasuredRun:
 
     def config(self, **overrides: Any) -> SimConfig:
         """The `SimConfig` that reproduces this run (``reuse_every``/``dense_layers``/``sink``/``window`` from
-        ``extra`` when present)."""
+        ``extra`` when present; ``inserts`` from the run's ``stats["inserts"]``, where the runtime ran them)."""
         kw: dict[str, Any] = dict(
             model=self.model, hardware=self.hardware, variant=self.variant, context=self.context,
             budget=min(self.budget, self.context), page_size=self.page_size, threads=self.threads, new_tokens=self.new_tokens,
@@ -105,6 +105,9 @@ class MeasuredRun:
             if key in self.extra:
                 v = self.extra[key]
                 kw[key] = tuple(v) if key == "dense_layers" and isinstance(v, list) else v
+        ran = (self.extra.get("stats") or {}).get("inserts")
+        if ran in ("background", "inline"):
+            kw["inserts"] = ran
         kw.update(overrides)
         return SimConfig(**kw)
 
