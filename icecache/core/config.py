@@ -22,6 +22,19 @@ _INT_RANGES: dict[str, tuple[int, int]] = {
 
 #: where decode inserts run (`IceCacheConfig.inserts`)
 INSERT_MODES: tuple[str, ...] = ("auto", "background", "inline")
+
+
+def inserts_in_background(mode: str, accelerator: bool, free_cores: int) -> bool:
+    """Whether decode inserts run on a worker thread (the one rule the runtime and the simulator share):
+    ``mode`` ``"background"`` / ``"inline"`` as given; ``"auto"``: background when the KV cache is on an
+    ``accelerator``, or when the model's intra-op threads leave ``free_cores`` > 0 CPU cores free."""
+    if mode not in INSERT_MODES:
+        raise ValueError(f"unknown insert mode {mode!r} (one of {', '.join(INSERT_MODES)})")
+    if mode != "auto":
+        return mode == "background"
+    return accelerator or free_cores > 0
+
+
 #: glibc heap policies (`IceCacheConfig.heap_policy`)
 HEAP_POLICIES: tuple[str, ...] = ("trim", "pin", "none")
 

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from icecache.core.config import INSERT_MODES
+from icecache.core.config import inserts_in_background
 from icecache.core.errors import IceCacheError
 
 
@@ -75,12 +75,8 @@ def background_inserts(mode: str, device: torch.device) -> bool:
     """Whether decode inserts run on a worker thread (`IceCacheConfig.inserts`): ``"background"`` / ``"inline"``
     as given; ``"auto"``: background when the KV cache is on an accelerator, or when torch's intra-op threads
     leave one of this process's CPU cores free."""
-    if mode not in INSERT_MODES:
-        raise ValueError(f"unknown insert mode {mode!r} (one of {', '.join(INSERT_MODES)})")
-    if mode != "auto":
-        return mode == "background"
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return device.type != "cpu" or torch.get_num_threads() < cores
+    return inserts_in_background(mode, device.type != "cpu", cores - torch.get_num_threads())
 
 
 class IndexWorkers:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+from icecache.core.config import inserts_in_background
 from icecache.sim.shapes import ModelShape
 
 __all__ = ["Notes", "RING_WRITES", "SCATTER_OPS", "CostModel", "CostModelWrapper"]
@@ -64,9 +65,7 @@ class CostModel(ABC):
         """Whether the runtime's decode inserts run on a worker thread here, as `IceCacheConfig.inserts` decides
         (the runtime's insert-worker rule): ``"background"`` / ``"inline"`` as given; ``"auto"``:
         background off a shared machine (the KV is on an accelerator) or when the model leaves a core free."""
-        if mode != "auto":
-            return mode == "background"
-        return not self.shared or self.free_cores > 0
+        return inserts_in_background(mode, not self.shared, self.free_cores)
 
     # -- device work
     @abstractmethod
