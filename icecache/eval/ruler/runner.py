@@ -34,7 +34,8 @@ class RulerSpec:
 
     ``lengths`` are target lengths in tokens (prompt + tokens to generate, RULER's definition);
     ``samples`` per (task, length); ``methods`` as `icecache.eval.methods.get_method` names, plus
-    ``kvpress:<press>`` rows run through kvpress (`icecache.eval.ruler.peers`).
+    ``kvpress:<press>`` rows run through kvpress (`icecache.eval.ruler.peers`), every press of a sample from one
+    prefill of its context (``kvpress_prefill_seconds``, outside each row's ``seconds``).
     """
 
     model: str
@@ -175,6 +176,7 @@ def run_sample(
     sample_s = time.perf_counter() - t0
     prefill = None
     prefill_s = 0.0
+    press_context = None
     records = []
 
     def settled(tokens: list[int]) -> bool:
@@ -186,9 +188,13 @@ def run_sample(
         t1 = time.perf_counter()
         extra: dict[str, Any] = {}
         if method.startswith("kvpress:"):
-            from icecache.eval.ruler.peers import kvpress_answer
+            from icecache.eval.ruler.peers import prefill_context, press_answer
 
-            prediction, extra = kvpress_answer(model, tokenizer, sample, method.split(":", 1)[1], budget, spec.config)
+            if press_context is None:  # one context prefill for every press row of the sample
+                press_context = prefill_context(model, tokenizer, sample)
+                t1 = time.perf_counter()
+            prediction, extra = press_answer(model, tokenizer, press_context, sample, method.split(":", 1)[1], budget,
+                                             spec.config)
             new_tokens = len(tokenizer(prediction, add_special_tokens=False)["input_ids"])
         else:
             if prefill is None:
