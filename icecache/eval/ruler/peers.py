@@ -16,7 +16,7 @@ One context prefill, many presses (`prefill_context`, `press_answer`). A press c
 layer's cache in a forward hook that runs after that layer's attention; the layer's output, and so every later
 layer's input, does not depend on the compression. So the pipeline's prefill is run once per sample, densely,
 with every attention call's inputs recorded; each press then replays its own ``forward_hook`` on those inputs,
-layer by layer, on a copy of the dense cache, and kvpress's own ``generate_answer`` answers from the result.
+layer by layer, on a clone of the dense cache (new tensors only where the press writes), and kvpress's own ``generate_answer`` answers from the result.
 Tokenisation (``preprocess``), compression and generation are kvpress's code; only the repeated prefill is
 saved. `kvpress_answer` runs the pipeline end to end and is the reference that
 ``tests/test_ruler_peers.py`` holds the shared path to, token for token.
@@ -24,7 +24,6 @@ saved. `kvpress_answer` runs the pipeline end to end and is the reference that
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -151,15 +150,6 @@ def prefill_context(model: Any, tokenizer: Any, sample: Any) -> PressContext:
     return PressContext(inputs["context_ids"], inputs["questions_ids"][0], cache, calls, time.perf_counter() - t0)
 
 
-def _copy_cache(cache: Any) -> Any:
-    """A `DynamicCache` with copies of ``cache``'s K/V (a press may write its layers in place)."""
-    out = copy.copy(cache)
-    out.layers = [copy.copy(layer) for layer in cache.layers]
-    for layer in out.layers:
-        layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
-    return out
-
-
 def press_answer(model: Any, tokenizer: Any, context: PressContext, sample: Any, press_name: str, budget: int,
                  config: IceCacheConfig) -> tuple[str, dict[str, Any]]:
     """`kvpress_answer` from a shared `PressContext`: the press's ``forward_hook`` replayed on the recorded
@@ -167,9 +157,11 @@ def press_answer(model: Any, tokenizer: Any, context: PressContext, sample: Any,
     context tokens a layer kept after the press."""
     import torch
 
+    from icecache.eval.harness import clone_kv
+
     pipe = _pipeline(model, tokenizer)
     press, details = _press_for(tokenizer, sample, press_name, budget, config)
-    cache = _copy_cache(context.cache)
+    cache = clone_kv(context.cache)  # the press replaces layers' tensors, never writes into the shared ones
     with torch.inference_mode():
         with press(model):  # the press's own set-up (post_init_from_model, rotary embeddings)
             for module, args, kwargs, output in context.calls:
