@@ -118,6 +118,8 @@ def test_icecache_r_reuses_two_layers_unless_told_otherwise(prefill_and_model):
     (["eval", "passkey", "--index", "ivf", "--methods", "full,quest"], "none of --methods"),
     (["eval", "passkey", "--index-params", "nprobe=2", "--methods", "exact"], "none of --methods"),
     (["eval", "passkey", "--window", "32", "--methods", "full"], "no effect"),
+    (["eval", "ruler", "--methods", "full", "--kvpress", "snapkv", "--threads", "1", "--out", "unused"],
+     "runs plain full attention and kvpress's presses; --threads would have no effect"),
     (["eval", "passkey", "--top-p", "0.9", "--methods", "full,snapkv,streaming"], "none of --methods"),
     (["generate", "hi", "--top-p", "1.5"], "IceCacheConfig.top_p must be None or a number in (0, 1]"),
     (["eval", "passkey", "--variants", "single"], "applies to eval needle"),

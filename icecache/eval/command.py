@@ -95,7 +95,8 @@ def check_eval_flags(args: argparse.Namespace, given_ice: list[str]) -> None:
         raise ConfigError(f"--top-p cuts the pages the step's query selects ({', '.join(QUERY_SELECTING_METHODS)}, "
                           f"icecache:<pager>); none of --methods {args.methods} selects by query")
     if given_ice and methods == ["full"]:
-        raise ConfigError(f"--methods full runs plain full attention; {', '.join(given_ice)} would have no effect")
+        rows = "plain full attention" + (" and kvpress's presses" if getattr(args, "kvpress", None) else "")
+        raise ConfigError(f"--methods full runs {rows}; {', '.join(given_ice)} would have no effect")
 
 
 def _lengths(text: str) -> list[int]:
