@@ -157,83 +157,118 @@ def pending_units(spec: RulerSpec, done: set[tuple], shard: tuple[int, int] = (0
 
 def run_sample(
     model: Any, tokenizer: Any, spec: RulerSpec, index: int, length: int, task: str, pairs: list[tuple[str, int | None]],
-    on_record: Callable[[dict[str, Any]], None] | None = None,
+    on_record: Callable[[dict[str, Any]], None] | None = None, method_workers: int = 1,
 ) -> list[dict[str, Any]]:
     """Generate one sample, prefill it once, answer it with every ``(method, budget)`` of ``pairs``.
 
-    Returns one record per pair (``on_record`` sees each as soon as it is scored).
+    Returns one record per pair (``on_record`` sees each as soon as it is scored). With ``method_workers`` > 1
+    the methods sharing the dense prefill run side by side on that many forked processes (`forked`); kvpress
+    rows run here after them. ``done_after_seconds`` is when a row finished, counted from the end of the shared
+    prefill: the largest over a sample's rows is what answering every method took after it.
     """
-    from icecache.eval.harness import decode_greedy, run_prefill
-    from icecache.eval.methods import get_method
-    from icecache.eval.ruler import make_sample, score_sample
-    from icecache.runtime.cache import IceCache
+    from icecache.eval.harness import run_prefill
+    from icecache.eval.ruler import make_sample
 
-    stop_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     chat = spec.chat_template if spec.chat_template is not None else bool(getattr(tokenizer, "chat_template", None))
     t0 = time.perf_counter()
     sample = make_sample(task, tokenizer, length, seed=spec.seed, index=index, chat_template=chat)
     input_ids = tokenizer(sample.prompt, return_tensors="pt")["input_ids"]
     sample_s = time.perf_counter() - t0
-    prefill = None
-    prefill_s = 0.0
-    press_context = None
-    records = []
+    own = [(m, b) for m, b in pairs if not m.startswith("kvpress:")]
+    presses = [(m, b) for m, b in pairs if m.startswith("kvpress:")]
+    records: list[dict[str, Any]] = []
+    base = {"task": task, "length": length, "index": index, "answers": list(sample.answers),
+            "prompt_tokens": int(input_ids.shape[1]), "sample_seconds": sample_s}
+
+    def emit(record: dict[str, Any]) -> None:
+        records.append(record)
+        if on_record is not None:
+            on_record(record)
+
+    if own:
+        t1 = time.perf_counter()
+        prefill = run_prefill(model, input_ids, obs_window=spec.config.window)
+        ready = time.perf_counter()
+        base["prefill_seconds"] = ready - t1
+
+        def job(position: int, threads: int | None = None) -> dict[str, Any]:
+            method, budget = own[position]
+            record = answer_method(model, tokenizer, spec, sample, prefill, method, budget, threads)
+            record["done_after_seconds"] = time.perf_counter() - ready
+            return {**base, **record}
+
+        if method_workers > 1 and len(own) > 1:
+            from functools import partial
+
+            from icecache.eval.ruler.forked import answer_forked
+
+            for _, record in answer_forked([partial(job, i) for i in range(len(own))], method_workers):
+                emit(record)
+        else:
+            for i in range(len(own)):
+                emit(job(i))
+    if presses:
+        from icecache.eval.ruler.peers import prefill_context, press_answer
+        from icecache.eval.ruler.score import score_sample
+
+        press_context = prefill_context(model, tokenizer, sample)  # one context prefill for every press row
+        for method, budget in presses:
+            t1 = time.perf_counter()
+            prediction, extra = press_answer(model, tokenizer, press_context, sample, method.split(":", 1)[1], budget,
+                                             spec.config)
+            emit({**base, "prefill_seconds": base.get("prefill_seconds", 0.0), "method": method,
+                  "budget": _budget_label(budget), "score": score_sample(sample, prediction), "prediction": prediction,
+                  "new_tokens": len(tokenizer(prediction, add_special_tokens=False)["input_ids"]),
+                  "seconds": time.perf_counter() - t1, **extra})
+    return records
+
+
+def answer_method(
+    model: Any, tokenizer: Any, spec: RulerSpec, sample: Any, prefill: Any, method: str, budget: int | None,
+    threads: int | None = None,
+) -> dict[str, Any]:
+    """Build ``method``'s cache from the dense ``prefill`` at ``budget`` and answer ``sample`` greedily (stopping
+    once every reference is in the output); returns the record's method fields. ``threads`` overrides the
+    config's index threads (a forked worker's share of the cores)."""
+    from icecache.eval.harness import decode_greedy
+    from icecache.eval.methods import get_method
+    from icecache.eval.ruler.score import score_sample
+    from icecache.runtime.cache import IceCache
+
+    stop_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
 
     def settled(tokens: list[int]) -> bool:
         """Every reference is already in the output: more tokens cannot change RULER's score (a substring
         found stays found), so decoding stops (recorded as ``settled``)."""
         return score_sample(sample, tokenizer.decode(tokens, skip_special_tokens=True)) >= 1.0
 
-    for method, budget in pairs:
-        t1 = time.perf_counter()
-        extra: dict[str, Any] = {}
-        if method.startswith("kvpress:"):
-            from icecache.eval.ruler.peers import prefill_context, press_answer
-
-            if press_context is None:  # one context prefill for every press row of the sample
-                press_context = prefill_context(model, tokenizer, sample)
-                t1 = time.perf_counter()
-            prediction, extra = press_answer(model, tokenizer, press_context, sample, method.split(":", 1)[1], budget,
-                                             spec.config)
-            new_tokens = len(tokenizer(prediction, add_special_tokens=False)["input_ids"])
-        else:
-            if prefill is None:
-                prefill = run_prefill(model, input_ids, obs_window=spec.config.window)
-                prefill_s = time.perf_counter() - t1
-                t1 = time.perf_counter()
-            cfg = spec.config.replace(budget=budget if budget is not None else spec.config.budget)
-            cache = get_method(method).cache(model, prefill, cfg)
-            if isinstance(cache, IceCache):
-                cache.workers.wait_all()  # the index builds, timed apart from the decode
-            extra["build_seconds"] = time.perf_counter() - t1
-            try:
-                tokens = decode_greedy(model, cache, prefill.last_logits, sample.tokens_to_generate, stop_ids,
-                                       stop_when=settled)
-                if isinstance(cache, IceCache) and cfg.top_p is not None:
-                    extra["tokens_per_selection"] = cache.stats()["tokens_per_selection"]
-            finally:
-                if isinstance(cache, IceCache):
-                    cache.close()
-            prediction = tokenizer.decode(tokens, skip_special_tokens=True)
-            new_tokens = len(tokens)
-            extra["settled"] = bool(len(tokens) < sample.tokens_to_generate and tokens[-1] not in stop_ids)
-        record = {
-            "task": task, "length": length, "index": index, "method": method, "budget": _budget_label(budget),
-            "score": score_sample(sample, prediction), "prediction": prediction, "answers": list(sample.answers),
-            "prompt_tokens": int(input_ids.shape[1]), "new_tokens": new_tokens,
-            "seconds": time.perf_counter() - t1, "prefill_seconds": prefill_s, "sample_seconds": sample_s, **extra,
-        }
-        records.append(record)
-        if on_record is not None:
-            on_record(record)
-    return records
+    t1 = time.perf_counter()
+    cfg = spec.config.replace(budget=budget if budget is not None else spec.config.budget)
+    if threads is not None:
+        cfg = cfg.replace(threads=threads)
+    cache = get_method(method).cache(model, prefill, cfg)
+    if isinstance(cache, IceCache):
+        cache.workers.wait_all()  # the index builds, timed apart from the decode
+    extra: dict[str, Any] = {"build_seconds": time.perf_counter() - t1}
+    try:
+        tokens = decode_greedy(model, cache, prefill.last_logits, sample.tokens_to_generate, stop_ids,
+                               stop_when=settled)
+        if isinstance(cache, IceCache) and cfg.top_p is not None:
+            extra["tokens_per_selection"] = cache.stats()["tokens_per_selection"]
+    finally:
+        if isinstance(cache, IceCache):
+            cache.close()
+    prediction = tokenizer.decode(tokens, skip_special_tokens=True)
+    extra["settled"] = bool(len(tokens) < sample.tokens_to_generate and tokens[-1] not in stop_ids)
+    return {"method": method, "budget": _budget_label(budget), "score": score_sample(sample, prediction),
+            "prediction": prediction, "new_tokens": len(tokens), "seconds": time.perf_counter() - t1, **extra}
 
 
 def run_ruler(
-    model: Any, tokenizer: Any, spec: RulerSpec, out_dir: str | Path, *, progress: bool = True,
+    model: Any, tokenizer: Any, spec: RulerSpec, out_dir: str | Path, *, progress: bool = True, method_workers: int = 1,
 ) -> list[dict[str, Any]]:
     """Run what ``out_dir`` does not hold yet, appending each record as it finishes; return every record of
-    the run (old and new)."""
+    the run (old and new). ``method_workers``: see `run_sample`."""
     from tqdm.auto import tqdm
 
     log = PredictionLog(out_dir, spec.signature())
@@ -247,7 +282,7 @@ def run_ruler(
 
     for index, length, task, pairs in todo:
         bar.set_postfix_str(f"{task} {length} #{index}")
-        run_sample(model, tokenizer, spec, index, length, task, pairs, on_record=finished)
+        run_sample(model, tokenizer, spec, index, length, task, pairs, on_record=finished, method_workers=method_workers)
     bar.close()
     return log.records
 
