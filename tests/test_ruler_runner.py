@@ -178,32 +178,35 @@ def test_process_workers_give_the_local_runs_records(tmp_path, smollm2):
     assert len(run_on_processes(spec, tmp_path / "workers", 2, progress=False)) == len(sharded)  # resumed: all done
 
 
-def test_methods_on_forked_workers_give_the_one_process_records(tmp_path, model):
-    """``--method-workers 2``: the methods of each sample answered on two processes forked after its one prefill
-    give the same predictions and scores as one after another, and every row says when it finished after the
-    shared prefill."""
+def test_method_workers_give_the_one_process_records(tmp_path, model):
+    """``--method-workers 2``: the methods of each sample answered side by side on two worker processes from its
+    one prefill (shared memory) give the same predictions and scores as one after another in this process, and
+    every row says when it finished after the shared prefill."""
     tok = CharTokenizer()
     spec = _spec(methods=["full", "exact", "icecache", "quest", "snapkv"])
     serial = run_ruler(model, tok, spec, tmp_path / "serial", progress=False)
-    forked = run_ruler(model, tok, spec, tmp_path / "forked", progress=False, method_workers=2)
+    side = run_ruler(model, tok, spec, tmp_path / "side", progress=False, method_workers=2)
     key = lambda r: (r["task"], r["index"], r["method"], r["budget"])
-    assert len(forked) == len(serial) == 2 * 5
+    assert len(side) == len(serial) == 2 * 5
     assert [(key(r), r["prediction"], r["score"], r["new_tokens"]) for r in sorted(serial, key=key)] == \
-           [(key(r), r["prediction"], r["score"], r["new_tokens"]) for r in sorted(forked, key=key)]
-    for r in forked:
+           [(key(r), r["prediction"], r["score"], r["new_tokens"]) for r in sorted(side, key=key)]
+    for r in side:
         assert r["seconds"] <= r["done_after_seconds"]
-    assert len((tmp_path / "forked" / "predictions.jsonl").read_text().splitlines()) == 10
-    assert len(run_ruler(model, tok, spec, tmp_path / "forked", progress=False, method_workers=2)) == 10  # resumed
+    assert len((tmp_path / "side" / "predictions.jsonl").read_text().splitlines()) == 10
+    assert len(run_ruler(model, tok, spec, tmp_path / "side", progress=False, method_workers=2)) == 10  # resumed
 
 
 @given(cores=st.lists(st.integers(0, 255), min_size=1, max_size=64, unique=True), workers=st.integers(1, 80))
-def test_forked_workers_take_the_cores_in_turn(cores, workers):
-    """Workers are pinned one per core while there are cores enough, then round-robin: no core gets two workers
-    before every core has one."""
-    from icecache.eval.ruler.forked import worker_core
+def test_method_workers_split_the_cores(cores, workers):
+    """Every worker gets at least one core; with no more workers than cores the shares are disjoint, cover every
+    core and differ in size by at most one; with more, each worker gets one core, in turn."""
+    from icecache.eval.ruler.method_workers import core_share
 
-    taken = [worker_core(sorted(cores), w) for w in range(workers)]
-    assert set(taken) <= set(cores)
-    assert len(set(taken)) == min(workers, len(cores))
-    counts = [taken.count(c) for c in set(taken)]
-    assert max(counts) - min(counts) <= 1
+    shares = [core_share(sorted(cores), workers, w) for w in range(workers)]
+    assert all(shares)
+    if workers <= len(cores):
+        assert sorted(c for s in shares for c in s) == sorted(cores)
+        assert max(map(len, shares)) - min(map(len, shares)) <= 1
+    else:
+        assert all(len(s) == 1 for s in shares)
+        assert {s[0] for s in shares} == set(cores)

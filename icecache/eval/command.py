@@ -74,8 +74,8 @@ def add_eval_arguments(ev: argparse.ArgumentParser) -> None:
                       help="ruler: answer samples on N local processes of cpu_count/N torch threads each (default: this "
                            "process; on 2 cores 2 workers finished about twice the samples per minute); with --ray, the number of actors")
     task.add_argument("--method-workers", type=positive_int, default=None, metavar="N",
-                      help="ruler: answer each sample's methods side by side on N processes forked after its one "
-                           "prefill, each pinned to its share of the cores (default 1: one after another)")
+                      help="ruler: answer each sample's methods side by side on N worker processes, each pinned to "
+                           "its share of the cores, from the sample's one prefill (default 1: one after another)")
     task.add_argument("--data-seed", type=int, default=None, help="ruler: seed of the generated samples (default 42, RULER's)")
     task.add_argument("--diagnose", default=None, metavar="METHOD@BUDGET,...",
                       help="ruler: classify the samples these rows of the --out run lost (model, budget, page or search miss)")

@@ -157,13 +157,13 @@ def pending_units(spec: RulerSpec, done: set[tuple], shard: tuple[int, int] = (0
 
 def run_sample(
     model: Any, tokenizer: Any, spec: RulerSpec, index: int, length: int, task: str, pairs: list[tuple[str, int | None]],
-    on_record: Callable[[dict[str, Any]], None] | None = None, method_workers: int = 1,
+    on_record: Callable[[dict[str, Any]], None] | None = None, method_workers: Any = None,
 ) -> list[dict[str, Any]]:
     """Generate one sample, prefill it once, answer it with every ``(method, budget)`` of ``pairs``.
 
-    Returns one record per pair (``on_record`` sees each as soon as it is scored). With ``method_workers`` > 1
-    the methods sharing the dense prefill run side by side on that many forked processes (`forked`); kvpress
-    rows run here after them. ``done_after_seconds`` is when a row finished, counted from the end of the shared
+    Returns one record per pair (``on_record`` sees each as soon as it is scored). With ``method_workers`` (a
+    `method_workers.MethodWorkers`) the methods sharing the dense prefill run side by side on its processes;
+    kvpress rows run here after them. ``done_after_seconds`` is when a row finished, counted from the end of the shared
     prefill: the largest over a sample's rows is what answering every method took after it.
     """
     from icecache.eval.harness import run_prefill
@@ -191,22 +191,13 @@ def run_sample(
         ready = time.perf_counter()
         base["prefill_seconds"] = ready - t1
 
-        def job(position: int, threads: int | None = None) -> dict[str, Any]:
-            method, budget = own[position]
-            record = answer_method(model, tokenizer, spec, sample, prefill, method, budget, threads)
-            record["done_after_seconds"] = time.perf_counter() - ready
-            return {**base, **record}
-
-        if method_workers > 1 and len(own) > 1:
-            from functools import partial
-
-            from icecache.eval.ruler.forked import answer_forked
-
-            for _, record in answer_forked([partial(job, i) for i in range(len(own))], method_workers):
-                emit(record)
+        if method_workers is not None and len(own) > 1:
+            for _position, fields in method_workers.answer(spec, sample, prefill, own, ready):
+                emit({**base, **fields})
         else:
-            for i in range(len(own)):
-                emit(job(i))
+            for method, budget in own:
+                fields = answer_method(model, tokenizer, spec, sample, prefill, method, budget)
+                emit({**base, **fields, "done_after_seconds": time.perf_counter() - ready})
     if presses:
         from icecache.eval.ruler.peers import prefill_context, press_answer
         from icecache.eval.ruler.score import score_sample
@@ -229,7 +220,7 @@ def answer_method(
 ) -> dict[str, Any]:
     """Build ``method``'s cache from the dense ``prefill`` at ``budget`` and answer ``sample`` greedily (stopping
     once every reference is in the output); returns the record's method fields. ``threads`` overrides the
-    config's index threads (a forked worker's share of the cores)."""
+    config's index threads (a method worker's share of the cores)."""
     from icecache.eval.harness import decode_greedy
     from icecache.eval.methods import get_method
     from icecache.eval.ruler.score import score_sample
@@ -268,7 +259,8 @@ def run_ruler(
     model: Any, tokenizer: Any, spec: RulerSpec, out_dir: str | Path, *, progress: bool = True, method_workers: int = 1,
 ) -> list[dict[str, Any]]:
     """Run what ``out_dir`` does not hold yet, appending each record as it finishes; return every record of
-    the run (old and new). ``method_workers``: see `run_sample`."""
+    the run (old and new). ``method_workers`` > 1 answers each sample's methods side by side on that many worker
+    processes (`icecache.eval.ruler.method_workers`), started once for the run."""
     from tqdm.auto import tqdm
 
     log = PredictionLog(out_dir, spec.signature())
@@ -280,9 +272,18 @@ def run_ruler(
         log.append(record)
         bar.update(1)
 
-    for index, length, task, pairs in todo:
-        bar.set_postfix_str(f"{task} {length} #{index}")
-        run_sample(model, tokenizer, spec, index, length, task, pairs, on_record=finished, method_workers=method_workers)
+    workers = None
+    if method_workers > 1 and todo:
+        from icecache.eval.ruler.method_workers import MethodWorkers
+
+        workers = MethodWorkers(model, tokenizer, method_workers)
+    try:
+        for index, length, task, pairs in todo:
+            bar.set_postfix_str(f"{task} {length} #{index}")
+            run_sample(model, tokenizer, spec, index, length, task, pairs, on_record=finished, method_workers=workers)
+    finally:
+        if workers is not None:
+            workers.close()
     bar.close()
     return log.records
 
