@@ -127,8 +127,6 @@ def test_icecache_r_reuses_two_layers_unless_told_otherwise(prefill_and_model):
     (["eval", "passkey", "--decode-tokens", "9"], "applies to eval ppl/longgen"),
     (["eval", "needle", "--tasks", "vt"], "applies to eval ruler"),
     (["eval", "passkey", "--workers", "2"], "applies to eval ruler"),
-    (["eval", "passkey", "--method-workers", "2"], "applies to eval ruler"),
-    (["eval", "ruler", "--method-workers", "2", "--workers", "2", "--out", "unused"], "does not combine with --workers"),
     (["eval", "ruler", "--variants", "single", "--out", "unused"], "applies to eval needle"),
     (["eval", "passkey", "--lengths", "2q"], "--lengths: expected"),
     (["eval", "ruler", "--lengths", "2q", "--out", "unused"], "--lengths: expected"),

@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 import torch
 from conftest import make_tiny_llama
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from icecache import IceCache, IceCacheConfig
 from icecache.eval.harness import clone_kv, decode_forced, decode_greedy, run_prefill
@@ -32,6 +34,38 @@ def test_fixed_score_pager_keeps_its_choice_and_evicts_later_tokens():
     assert p.select(torch.randn(2, 4), 2).positions.tolist() == [1, 3]
     p.insert(torch.randn(3, 4))
     assert sorted(p.select(torch.randn(2, 4), 10).positions.tolist()) == [0, 1, 2, 3]  # new tokens evicted
+
+
+@settings(max_examples=40, deadline=None)
+@given(scores=st.lists(st.sampled_from([0.1, 0.2, 0.5, 0.9, -np.inf]), min_size=1, max_size=40),
+       inserts=st.lists(st.integers(1, 5), max_size=4), budget=st.integers(1, 50))
+def test_fixed_score_pager_selects_the_brute_force_ranking(scores, inserts, budget):
+    """At every step (after any inserts), the selection is the best ``budget`` finite scores, ties by position."""
+    p = FixedScorePager(4, np.array(scores))
+    p.build(torch.randn(len(scores), 4))
+    expected = sorted((i for i, s in enumerate(scores) if s > -np.inf), key=lambda i: (-scores[i], i))[:budget]
+    for n in [0, *inserts]:
+        if n:
+            p.insert(torch.randn(n, 4))
+        if expected:
+            assert p.select(torch.randn(2, 4), budget).positions.tolist() == expected
+
+
+def test_growing_kv_decodes_bit_for_bit_like_a_dynamic_cache():
+    """Full attention's cache appends in place (`growing_kv`); the logits of 300 forced steps (past its first
+    spare room of 256) are identical to a `DynamicCache`'s, and the prefill's own K/V are untouched."""
+    from icecache.eval.harness import growing_kv
+
+    model = make_tiny_llama(seed=4)
+    ids = torch.randint(3, 128, (1, 150), generator=torch.Generator().manual_seed(2))
+    prefill = run_prefill(model, ids, obs_window=16)
+    before = [layer.keys.clone() for layer in prefill.kv.layers]
+    targets = torch.randint(3, 128, (300,), generator=torch.Generator().manual_seed(3)).tolist()
+    grown = growing_kv(prefill.kv)
+    nll = decode_forced(model, grown, prefill.last_logits, targets)
+    assert torch.equal(nll, decode_forced(model, clone_kv(prefill.kv), prefill.last_logits, targets))
+    assert grown.get_seq_length() == 150 + 299
+    assert all(torch.equal(b, layer.keys) for b, layer in zip(before, prefill.kv.layers))
 
 
 @pytest.mark.parametrize("name", ["exact", "quest", "streaming"])

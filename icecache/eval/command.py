@@ -31,7 +31,6 @@ TASK_FLAGS: dict[str, tuple[str, tuple[str, ...], Any]] = {
     "kvpress": ("--kvpress", ("ruler",), None),
     "ray": ("--ray", ("ruler",), False),
     "workers": ("--workers", ("ruler",), None),
-    "method_workers": ("--method-workers", ("ruler",), None),
     "data_seed": ("--data-seed", ("ruler",), None),
     "no_chat_template": ("--no-chat-template", ("ruler",), False),
     "diagnose": ("--diagnose", ("ruler",), None),
@@ -73,9 +72,6 @@ def add_eval_arguments(ev: argparse.ArgumentParser) -> None:
     task.add_argument("--workers", type=positive_int, default=None,
                       help="ruler: answer samples on N local processes of cpu_count/N torch threads each (default: this "
                            "process; on 2 cores 2 workers finished about twice the samples per minute); with --ray, the number of actors")
-    task.add_argument("--method-workers", type=positive_int, default=None, metavar="N",
-                      help="ruler: answer each sample's methods side by side on N worker processes, each pinned to "
-                           "its share of the cores, from the sample's one prefill (default 1: one after another)")
     task.add_argument("--data-seed", type=int, default=None, help="ruler: seed of the generated samples (default 42, RULER's)")
     task.add_argument("--diagnose", default=None, metavar="METHOD@BUDGET,...",
                       help="ruler: classify the samples these rows of the --out run lost (model, budget, page or search miss)")

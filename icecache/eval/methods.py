@@ -29,7 +29,7 @@ import torch
 from icecache.core.config import IceCacheConfig
 from icecache.core.errors import UnknownNameError
 from icecache.core.pager import SemanticPager
-from icecache.eval.harness import Prefill, clone_kv
+from icecache.eval.harness import Prefill, growing_kv
 from icecache.indexes.registry import available_pagers
 from icecache.runtime.cache import IceCache
 
@@ -54,14 +54,17 @@ class FixedScorePager(SemanticPager):
         if keys.shape[0] != len(self._scores):
             raise ValueError(f"FixedScorePager got {keys.shape[0]} keys for {len(self._scores)} scores")
         self.table.new_pages(np.arange(keys.shape[0]).reshape(-1, 1))
+        finite = np.flatnonzero(self._scores > -np.inf)  # -inf: evicted
+        #: every key that can be selected, best first (ties by position); inserts score -inf and never join it,
+        #: so the ranking is the same at every step and is sorted once
+        self._ranking = finite[np.lexsort((finite, -self._scores[finite]))]
 
     def _insert(self, keys: torch.Tensor, start: int) -> None:
         self._scores = np.concatenate([self._scores, np.full(keys.shape[0], -np.inf)])
         self.table.new_pages(np.arange(start, start + keys.shape[0]).reshape(-1, 1))
 
     def _rank_pages(self, queries: torch.Tensor, budget: int) -> tuple[np.ndarray, np.ndarray]:
-        finite = np.flatnonzero(self._scores > -np.inf)  # -inf: evicted
-        order = finite[np.lexsort((finite, -self._scores[finite]))][:budget]
+        order = self._ranking[:budget]
         return np.asarray(self.table.page_of(order)), self._scores[order]
 
 
@@ -116,7 +119,7 @@ def _ice_reuse(model: Any, prefill: Prefill, cfg: IceCacheConfig) -> IceCache:
 
 
 def _full(model: Any, prefill: Prefill, cfg: IceCacheConfig) -> Any:
-    return clone_kv(prefill.kv)
+    return growing_kv(prefill.kv)
 
 
 def _streaming(model: Any, prefill: Prefill, cfg: IceCacheConfig) -> IceCache:

@@ -94,12 +94,12 @@ def write_outputs(records: Sequence[dict[str, Any]], out_dir: str | Path, task_o
     return tables
 
 
-def _run_local(spec: Any, out: Path, progress: bool, method_workers: int = 1) -> list[dict[str, Any]]:
+def _run_local(spec: Any, out: Path, progress: bool) -> list[dict[str, Any]]:
     from icecache.eval.ruler.runner import run_ruler
     from icecache.runtime.models import load_model
 
     model, tokenizer = load_model(spec.model)
-    return run_ruler(model, tokenizer, spec, out, progress=progress, method_workers=method_workers)
+    return run_ruler(model, tokenizer, spec, out, progress=progress)
 
 
 def run_command(args: argparse.Namespace, config: Any) -> int:
@@ -115,10 +115,6 @@ def run_command(args: argparse.Namespace, config: Any) -> int:
     if not args.out:
         raise ConfigError("eval ruler needs --out DIR (predictions are appended there, and a re-run resumes)")
     spec = spec_from_args(args, config)
-    method_workers = args.method_workers or 1
-    if method_workers > 1 and (args.ray or os.environ.get("RAY_ADDRESS") or (args.workers or 1) > 1):
-        raise ConfigError("--method-workers splits one process's samples by method; it does not combine with "
-                          "--workers or Ray, which split the samples themselves")
     out = Path(args.out)
     PredictionLog(out, spec.signature())  # refuses a directory that holds another run, before any model loads
     t0 = time.perf_counter()
@@ -134,7 +130,7 @@ def run_command(args: argparse.Namespace, config: Any) -> int:
 
             records = run_on_processes(spec, out, args.workers, progress=not args.json)
         else:
-            records = _run_local(spec, out, progress=not args.json, method_workers=method_workers)
+            records = _run_local(spec, out, progress=not args.json)
     except KeyboardInterrupt:
         interrupted = True
         records = PredictionLog(out, spec.signature()).records

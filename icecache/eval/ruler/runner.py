@@ -157,14 +157,13 @@ def pending_units(spec: RulerSpec, done: set[tuple], shard: tuple[int, int] = (0
 
 def run_sample(
     model: Any, tokenizer: Any, spec: RulerSpec, index: int, length: int, task: str, pairs: list[tuple[str, int | None]],
-    on_record: Callable[[dict[str, Any]], None] | None = None, method_workers: Any = None,
+    on_record: Callable[[dict[str, Any]], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Generate one sample, prefill it once, answer it with every ``(method, budget)`` of ``pairs``.
 
-    Returns one record per pair (``on_record`` sees each as soon as it is scored). With ``method_workers`` (a
-    `method_workers.MethodWorkers`) the methods sharing the dense prefill run side by side on its processes;
-    kvpress rows run here after them. ``done_after_seconds`` is when a row finished, counted from the end of the shared
-    prefill: the largest over a sample's rows is what answering every method took after it.
+    Returns one record per pair (``on_record`` sees each as soon as it is scored); kvpress rows run last, from
+    their own prefill (`peers`). ``done_after_seconds`` is when a row finished, counted from the end of the shared
+    dense prefill.
     """
     from icecache.eval.harness import run_prefill
     from icecache.eval.ruler import make_sample
@@ -191,13 +190,9 @@ def run_sample(
         ready = time.perf_counter()
         base["prefill_seconds"] = ready - t1
 
-        if method_workers is not None and len(own) > 1:
-            for _position, fields in method_workers.answer(spec, sample, prefill, own, ready):
-                emit({**base, **fields})
-        else:
-            for method, budget in own:
-                fields = answer_method(model, tokenizer, spec, sample, prefill, method, budget)
-                emit({**base, **fields, "done_after_seconds": time.perf_counter() - ready})
+        for method, budget in own:
+            fields = answer_method(model, tokenizer, spec, sample, prefill, method, budget)
+            emit({**base, **fields, "done_after_seconds": time.perf_counter() - ready})
     if presses:
         from icecache.eval.ruler.peers import prefill_context, press_answer
         from icecache.eval.ruler.score import score_sample
@@ -216,11 +211,9 @@ def run_sample(
 
 def answer_method(
     model: Any, tokenizer: Any, spec: RulerSpec, sample: Any, prefill: Any, method: str, budget: int | None,
-    threads: int | None = None,
 ) -> dict[str, Any]:
     """Build ``method``'s cache from the dense ``prefill`` at ``budget`` and answer ``sample`` greedily (stopping
-    once every reference is in the output); returns the record's method fields. ``threads`` overrides the
-    config's index threads (a method worker's share of the cores)."""
+    once every reference is in the output); returns the record's method fields."""
     from icecache.eval.harness import decode_greedy
     from icecache.eval.methods import get_method
     from icecache.eval.ruler.score import score_sample
@@ -235,8 +228,6 @@ def answer_method(
 
     t1 = time.perf_counter()
     cfg = spec.config.replace(budget=budget if budget is not None else spec.config.budget)
-    if threads is not None:
-        cfg = cfg.replace(threads=threads)
     cache = get_method(method).cache(model, prefill, cfg)
     if isinstance(cache, IceCache):
         cache.workers.wait_all()  # the index builds, timed apart from the decode
@@ -256,11 +247,10 @@ def answer_method(
 
 
 def run_ruler(
-    model: Any, tokenizer: Any, spec: RulerSpec, out_dir: str | Path, *, progress: bool = True, method_workers: int = 1,
+    model: Any, tokenizer: Any, spec: RulerSpec, out_dir: str | Path, *, progress: bool = True,
 ) -> list[dict[str, Any]]:
     """Run what ``out_dir`` does not hold yet, appending each record as it finishes; return every record of
-    the run (old and new). ``method_workers`` > 1 answers each sample's methods side by side on that many worker
-    processes (`icecache.eval.ruler.method_workers`), started once for the run."""
+    the run (old and new)."""
     from tqdm.auto import tqdm
 
     log = PredictionLog(out_dir, spec.signature())
@@ -272,18 +262,9 @@ def run_ruler(
         log.append(record)
         bar.update(1)
 
-    workers = None
-    if method_workers > 1 and todo:
-        from icecache.eval.ruler.method_workers import MethodWorkers
-
-        workers = MethodWorkers(model, tokenizer, method_workers)
-    try:
-        for index, length, task, pairs in todo:
-            bar.set_postfix_str(f"{task} {length} #{index}")
-            run_sample(model, tokenizer, spec, index, length, task, pairs, on_record=finished, method_workers=workers)
-    finally:
-        if workers is not None:
-            workers.close()
+    for index, length, task, pairs in todo:
+        bar.set_postfix_str(f"{task} {length} #{index}")
+        run_sample(model, tokenizer, spec, index, length, task, pairs, on_record=finished)
     bar.close()
     return log.records
 
