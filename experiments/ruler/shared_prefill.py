@@ -61,14 +61,17 @@ def main() -> int:
     for (task, _length, index), tokens, pre, builds, decodes, one, every, ratio in rows:
         lines.append(f"| {task} | {index} | {tokens} | {pre:.1f} | {fmt(builds)} | {fmt(decodes)} | {one:.1f} | "
                      f"{every:.1f} | {ratio:.2f}x |")
-    ratios = [r[-1] for r in rows]
-    total = sum(r[6] for r in rows) / sum(r[5] for r in rows)
-    lines += ["", f"Median ratio {statistics.median(ratios):.2f}x (range {min(ratios):.2f}-{max(ratios):.2f}) over "
-              f"{len(rows)} samples; total wall {total:.2f}x."]
-    text = "\n".join(lines) + "\n"
-    (run / "shared_prefill.md").write_text(text)
-    print(text)
+    write_summary(run, lines, [r[-1] for r in rows], sum(r[6] for r in rows) / sum(r[5] for r in rows))
     return 0
+
+
+def write_summary(out_dir: Path, lines: list[str], ratios: list[float], total: float) -> None:
+    """``lines`` (a table) plus the median ratio and the total wall ratio, into ``shared_prefill.md``."""
+    lines = [*lines, "", f"Median ratio {statistics.median(ratios):.2f}x (range {min(ratios):.2f}-{max(ratios):.2f}) "
+             f"over {len(ratios)} samples; total wall {total:.2f}x."]
+    text = "\n".join(lines) + "\n"
+    (out_dir / "shared_prefill.md").write_text(text)
+    print(text)
 
 
 def read_samples(run: Path) -> dict[tuple, list[dict]]:

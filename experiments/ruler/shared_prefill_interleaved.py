@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ METHODS = "full,exact,icecache,quest,pqcache,streaming,snapkv"
 
 
 def main() -> int:
+    from shared_prefill import write_summary  # this script's folder
     from tqdm.auto import tqdm
 
     from icecache.core.config import IceCacheConfig
@@ -80,12 +80,7 @@ def main() -> int:
              "| task | sample | first | one method (s) | all methods (s) | ratio |", "|---|---|---|---|---|---|"]
     lines += [f"| {w['task']} | {w['index']} | {w['first']} | {w['one_seconds']:.1f} | {w['all_seconds']:.1f} | "
               f"{w['ratio']:.2f}x |" for w in walls]
-    total = sum(w["all_seconds"] for w in walls) / sum(w["one_seconds"] for w in walls)
-    lines += ["", f"Median ratio {statistics.median(ratios):.2f}x (range {min(ratios):.2f}-{max(ratios):.2f}) over "
-              f"{len(walls)} samples; total wall {total:.2f}x."]
-    text = "\n".join(lines) + "\n"
-    (out / "shared_prefill.md").write_text(text)
-    print(text)
+    write_summary(out, lines, ratios, sum(w["all_seconds"] for w in walls) / sum(w["one_seconds"] for w in walls))
     return 0
 
 
