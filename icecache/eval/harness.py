@@ -58,7 +58,7 @@ class GrowingLayer(DynamicLayer):
     """A `DynamicLayer` whose K/V ``[B, H, T, D]`` are views of buffers with spare room: a decode step writes its
     token in place instead of concatenating a new copy of the whole layer (what `DynamicLayer` does every step:
     377 MB per step for SmolLM2 at 8k). Attention sees the same values, so outputs are unchanged
-    (tests/test_eval.py compares logits bit for bit)."""
+    (tests/test_eval.py: 300 forced steps give bit-identical per-token NLL)."""
 
     #: spare room on each reallocation: a quarter of the length, at least this many tokens
     MIN_SPARE = 256
