@@ -20,7 +20,11 @@ from icecache.core.errors import ConfigError
 from icecache.core.pager import SemanticPager
 from icecache.indexes.dci import DCIIndex, DCIParams, SearchConfig
 from icecache.indexes.dci_layer import layer_compatible, rank_pages_layer
+from icecache.indexes.page_scan import layer_rank_pages_exhaustive, rank_pages_exhaustive
 from icecache.indexes.registry import register_pager, unknown_parameter_error
+
+#: how a select ranks the pages (see `MDCIPager`'s ``search``)
+SEARCH_MODES = ("tree", "exhaustive")
 
 
 @register_pager("mdci")
@@ -49,6 +53,11 @@ class MDCIPager(SemanticPager):
     preset : {"wide", "icecache", "dci-knn"}, optional
         The same as ``params=<name>``: the spelling of ``IceCacheConfig.index_params`` and ``--index-params``
         (``mdci[preset=icecache]``). Give ``params`` or ``preset``, not both.
+    search : {"tree", "exhaustive"}, optional
+        How a select ranks the pages: the tree's descent (``"tree"``, default: reads a fraction of the keys), or
+        every key scored and each page ranked by its best key (``"exhaustive"``,
+        `icecache.indexes.page_scan`: the ranking the descent approximates, with no search miss, for one scan
+        of all the keys; ``index="auto"``'s choice below its crossover). The pages are the same either way.
     **overrides
         Single knobs changed on top of ``params`` (`DCIParams.with_overrides`; ``None`` keeps the value; an
         unknown name raises `ConfigError` listing them all). The usual ones:
@@ -118,16 +127,20 @@ class MDCIPager(SemanticPager):
         params: DCIParams | str | None = None,
         preset: str | None = None,
         layer_select: bool = True,
+        search: str = "tree",
         **overrides: Any,
     ) -> None:
         unknown = [name for name in overrides if name not in DCIParams.override_names()]
         if unknown:
             raise unknown_parameter_error("mdci", unknown, ("record_moves", "params", "preset", "layer_select",
-                                                            *DCIParams.override_names()))
+                                                            "search", *DCIParams.override_names()))
         if not isinstance(layer_select, bool):
             raise ConfigError(f"mdci: layer_select must be true or false, got {layer_select!r}")
+        if search not in SEARCH_MODES:
+            raise ConfigError(f"mdci: search must be one of {', '.join(SEARCH_MODES)}, got {search!r}")
         super().__init__(head_dim, page_size, seed, record_moves=record_moves)
         self.layer_select = layer_select
+        self.search = search
         if params is not None and preset is not None:
             raise ConfigError(f"mdci: give params or preset, not both (got params={params!r}, preset={preset!r})")
         base = params if params is not None else preset if preset is not None else "wide"
@@ -147,6 +160,11 @@ class MDCIPager(SemanticPager):
         self.index.insert(keys.numpy(), check=False)  # `SemanticPager.insert` has checked or was told it may skip
 
     def _rank_pages(self, queries: torch.Tensor, budget: int) -> tuple[np.ndarray, np.ndarray]:
+        if self.search == "exhaustive":
+            tree = self.index.tree
+            q = queries.detach().to(torch.float32).contiguous().numpy()
+            return rank_pages_exhaustive(q, tree.vectors, tree.num_points, self.table.page_of_, self.table.id_capacity,
+                                         budget)
         return self.index.rank_pages(queries.numpy(), budget)
 
     @staticmethod
@@ -157,11 +175,22 @@ class MDCIPager(SemanticPager):
         one compiled call (`icecache.indexes.dci_layer.rank_pages_layer`, on ``select_threads`` threads). None
         when one call cannot serve them (an empty pager, differing parameters): select them one by one."""
         trees = [p.index.tree for p in pagers]
-        if budget <= 0 or not all(p.layer_select for p in pagers) or not layer_compatible(trees):
+        if budget <= 0 or not all(p.layer_select for p in pagers):
             return None
-        ranked = rank_pages_layer(trees, queries.numpy(), budget, pagers[0].select_threads)
+        if all(p.search == "exhaustive" for p in pagers):
+            if any(t.num_points == 0 for t in trees):
+                return None
+            ranked = layer_rank_pages_exhaustive(
+                queries.numpy(), tuple(t.vectors for t in trees), np.array([t.num_points for t in trees]),
+                tuple(p.table.page_of_ for p in pagers), np.array([p.table.id_capacity for p in pagers]), budget,
+                pagers[0].select_threads)
+        elif any(p.search == "exhaustive" for p in pagers) or not layer_compatible(trees):
+            return None
+        else:
+            ranked = [page_ids for page_ids, _ in rank_pages_layer(trees, queries.numpy(), budget,
+                                                                    pagers[0].select_threads)]
         out = []
-        for pager, (page_ids, _) in zip(pagers, ranked):
+        for pager, page_ids in zip(pagers, ranked):
             j, indptr, positions = pager.table.take_within_budget(page_ids, budget)
             out.append((page_ids[:j], indptr, positions))
         return out
