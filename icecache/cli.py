@@ -87,7 +87,8 @@ def cmd_info(args: argparse.Namespace) -> int:
 #: IceCacheConfig fields the command line sets: field -> (flag, value parser, help). Defaults are never
 #: restated here: each option's default is None ("not given") and the config's own default applies.
 ICE_OPTIONS: dict[str, tuple[str, Any, str]] = {
-    "index": ("--index", str, "pager backend (icecache info lists them), or auto: exact below this machine's crossover, mdci above"),
+    "index": ("--index", str, "pager backend (icecache info lists them), or auto: mdci scoring every key below this "
+                              "machine's crossover, mdci's tree search above"),
     "budget": ("--budget", int, "middle tokens attended per layer and KV head"),
     "index_params": ("--index-params", str, "parameters of the --index pager, e.g. field_of_view=120,page_score=mass"),
     "page_size": ("--page-size", int, "tokens per page"),

@@ -21,15 +21,16 @@ GRID = (2048, 4096, 8192, 16384, 32768, 65536)
 
 @given(slope_ns=st.floats(1.0, 100.0), mdci_us=st.floats(1.0, 5000.0))
 def test_crossover_of_a_linear_scorer_and_a_flat_index_is_where_they_meet(slope_ns, mdci_us):
-    """exact costs ``a * n``, mdci a constant ``c``: they meet at ``n = c / a``, inside the grid, before it or
+    """the scan costs ``a * n``, the tree search a constant ``c``: they meet at ``n = c / a``, inside the grid, before it or
     beyond it (log ratio linear in log n, so interpolation and extrapolation are both exact)."""
     exact = [slope_ns * 1e-9 * n for n in GRID]
     mdci = [mdci_us * 1e-6] * len(GRID)
     truth = mdci_us * 1e-6 / (slope_ns * 1e-9)
     got = crossover_from_times(GRID, exact, mdci)
     assert got == pytest.approx(min(truth, MAX_CROSSOVER), rel=1e-6, abs=1)
-    # the choice follows: exact below, mdci from the crossover on
-    assert choose_index(max(got - 1, 0), got) == ("exact" if got > 0 else "mdci") and choose_index(got, got) == "mdci"
+    # the choice follows: every key scored below, the tree search from the crossover on
+    below = "mdci[search=exhaustive]" if got > 0 else "mdci"
+    assert choose_index(max(got - 1, 0), got) == below and choose_index(got, got) == "mdci"
 
 
 def test_crossover_when_mdci_never_catches_up_is_capped():
@@ -65,10 +66,10 @@ def test_nearly_equal_ratios_extrapolate_to_the_cap_without_overflow():
 
 def test_a_real_measurement_is_consistent():
     r = measure_crossover(16, 4, 32, 8, grid=(256, 2048), calls=3)
-    assert len(r["exact_s"]) == len(r["mdci_s"]) == 2 and min(r["exact_s"] + r["mdci_s"]) > 0
-    assert r["crossover_keys"] == crossover_from_times(r["grid"], r["exact_s"], r["mdci_s"])
+    assert len(r["exhaustive_s"]) == len(r["tree_s"]) == 2 and min(r["exhaustive_s"] + r["tree_s"]) > 0
+    assert r["crossover_keys"] == crossover_from_times(r["grid"], r["exhaustive_s"], r["tree_s"])
     for part in ("select_s", "insert_s"):  # a step is one select and one insert per pager, both timed
-        assert sorted(r[part]) == ["exact", "mdci"] and all(len(v) == 2 and min(v) > 0 for v in r[part].values())
+        assert sorted(r[part]) == ["exhaustive", "tree"] and all(len(v) == 2 and min(v) > 0 for v in r[part].values())
 
 
 def _decode(model, cfg: IceCacheConfig, ids: torch.Tensor, steps: int) -> tuple[list[int], IceCache]:
@@ -84,15 +85,16 @@ def _decode(model, cfg: IceCacheConfig, ids: torch.Tensor, steps: int) -> tuple[
     return out, cache
 
 
-@pytest.mark.parametrize("crossover, chosen", [(10_000, "exact"), (0, "mdci")])
-def test_auto_runs_exactly_the_pager_it_chose(crossover, chosen):
+@pytest.mark.parametrize("crossover, chosen, params", [(10_000, "mdci[search=exhaustive]", {"search": "exhaustive"}),
+                                                      (0, "mdci", {})])
+def test_auto_runs_exactly_the_pager_it_chose(crossover, chosen, params):
     model = make_tiny_llama(seed=3)
     ids = torch.randint(3, 128, (1, 400), generator=torch.Generator().manual_seed(1))
     base = dict(budget=32, page_size=8, sink=4, window=16, dense_layers=(0,))
     got, cache = _decode(model, IceCacheConfig(index="auto", index_params={"crossover": crossover}, **base), ids, 12)
-    want, ref = _decode(model, IceCacheConfig(index=chosen, **base), ids, 12)
+    want, ref = _decode(model, IceCacheConfig(index="mdci", index_params=params, **base), ids, 12)
     stats = cache.stats()
-    assert stats["index"] == chosen and stats["auto_crossover_keys"] == crossover and ref.stats()["index"] == chosen
+    assert stats["index"] == chosen and stats["auto_crossover_keys"] == crossover
     assert got == want
 
 
@@ -104,14 +106,15 @@ def test_the_machine_crossover_is_measured_once_and_stored(tmp_path, monkeypatch
 
     def fake_measure(head_dim, group, budget, page_size, select_threads):
         calls.append((head_dim, group, budget, page_size, select_threads))
-        return {"crossover_keys": 300, "grid": [1, 2], "exact_s": [1.0, 2.0], "mdci_s": [2.0, 1.0], "calls": 1, "seconds": 0.0}
+        return {"crossover_keys": 300, "grid": [1, 2], "exhaustive_s": [1.0, 2.0], "tree_s": [2.0, 1.0], "calls": 1,
+                "seconds": 0.0}
 
     monkeypatch.setattr(auto_index, "measure_crossover", fake_measure)
     model = make_tiny_llama(seed=3)
     cfg = IceCacheConfig(index="auto", budget=32, page_size=8, sink=4, window=16, dense_layers=(0,))
     short = torch.randint(3, 128, (1, 200), generator=torch.Generator().manual_seed(1))  # 180 middle keys < 300
     long = torch.randint(3, 128, (1, 400), generator=torch.Generator().manual_seed(1))  # 380 >= 300
-    assert _decode(model, cfg, short, 2)[1].stats()["index"] == "exact"
+    assert _decode(model, cfg, short, 2)[1].stats()["index"] == "mdci[search=exhaustive]"
     assert _decode(model, cfg, long, 2)[1].stats()["index"] == "mdci"
     # measured once for this shape and the decode's select threads (1 beside background inserts), then read back
     from icecache.runtime.workers import background_inserts

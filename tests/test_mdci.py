@@ -399,7 +399,7 @@ def test_params_preset_and_overrides_select_identically(name):
 
 
 def test_params_errors_are_one_line_config_errors():
-    listing = r"its parameters: record_moves, params, preset, layer_select, num_comp_indices, .*, field_of_view, .*construction_prop_to_retrieve$"
+    listing = r"its parameters: record_moves, params, preset, layer_select, search, num_comp_indices, .*, field_of_view, .*construction_prop_to_retrieve$"
     with pytest.raises(ConfigError, match=r"^pager 'mdci' has no parameter 'bogus'; " + listing):
         make_pager("mdci", head_dim=8, bogus=1)
     with pytest.raises(ConfigError, match=r"^pager 'mdci' has no parameter 'query'; " + listing):

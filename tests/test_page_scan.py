@@ -30,13 +30,14 @@ def brute_force_page_scores(pager: MDCIPager, q: torch.Tensor) -> dict[int, floa
 
 
 @FAST
-@given(seed=st.integers(0, 2**16), n=st.integers(1, 1500), g=st.integers(1, 4), budget=st.integers(0, 300),
-       inserted=st.integers(0, 120), page_size=st.sampled_from([1, 4, 16]))
-def test_ranking_is_the_brute_force_page_order(seed, n, g, budget, inserted, page_size):
-    """Pages best first by their best key, every key scored (also after inserts, which split and move pages); the
-    scores are the brute-force ones, the pages taken are the best ``budget`` of them, and the selection keeps
-    the budget rule."""
+@given(seed=st.integers(0, 2**16), n=st.integers(1, 5000), g=st.integers(1, 4), budget=st.integers(0, 300),
+       inserted=st.integers(0, 120), page_size=st.sampled_from([1, 4, 16]), threads=st.integers(1, 3))
+def test_ranking_is_the_brute_force_page_order(seed, n, g, budget, inserted, page_size, threads):
+    """Pages best first by their best key, every key scored (on 1-3 threads; also after inserts, which split and
+    move pages); the scores are the brute-force ones, the pages taken are the best ``budget`` of them, and the
+    selection keeps the budget rule."""
     pager = make_pager("mdci", head_dim=16, page_size=page_size, search="exhaustive", seed=seed)
+    pager.select_threads = threads
     pager.build(keys(seed, n))
     pager.insert(keys(seed + 1, inserted) * 1.5)
     q = keys(seed + 2, g)

@@ -1,24 +1,26 @@
-"""``index="auto"``: the exact scorer below a crossover number of offloaded keys, M-DCI at or above it.
+"""``index="auto"``: M-DCI's pages ranked by scoring every key below a crossover number of offloaded keys per
+head, M-DCI's tree search at or above it.
 
-Below some size, scoring every key (``exact``: one q.K product and a top-k) is both faster and more accurate
-than searching an index; above it M-DCI's select, which touches a fraction of the keys, wins. Where the two
-meet depends on the machine (memory bandwidth, BLAS, cores), so the crossover is measured, not assumed:
-`measure_crossover` times what each pager costs per decode step and (layer, KV head), one ``select_arrays``
-plus the one-token ``insert`` of the token leaving the window, on Gaussian keys at a grid of sizes for the
-model's head width, GQA group and budget, and `crossover_from_times` finds where M-DCI becomes the cheaper one.
-The insert counts because M-DCI's is far dearer than the exact scorer's row copy (SmolLM2 at 8k: the two
-selects cost about the same inside a decode step, yet M-DCI's steps were 9-10% slower: its inserts run on the
-index worker beside the model, on the same two cores). Each
-timed call starts from cold caches (`EVICT_BYTES` read first; this VM reports a 480 MiB L3 shared with its host,
-so 'cold' means out of the core's own caches at least), as in a decode step,
-where the selects of 84+ (layer, KV head) pairs and the model's weights pass through the caches between two
-selects of one head: timed hot, exact's streaming scan looked slower against M-DCI's scattered reads than it
-is in the step (SmolLM2 at 8k: hot crossover 3,050 keys, yet exact was the faster pager in the step).
+Both choices use the same semantic pages (`icecache.indexes.mdci.MDCIPager`); they differ in how a select ranks
+them. Below some size, scoring every key (``mdci[search=exhaustive]``: one q.K scan and each page's best key,
+`icecache.indexes.page_scan`) is faster than the tree's descent and misses nothing; above it the descent, which
+touches a fraction of the keys, is faster. Where the two meet depends on the machine (memory bandwidth, cores),
+so the crossover is measured, not assumed: `measure_crossover` times what each costs per decode step and (layer,
+KV head), one ``select_arrays`` plus the one-token ``insert`` of the token leaving the window, on Gaussian keys at
+a grid of sizes for the model's head width, GQA group and budget, and `crossover_from_times` finds where the tree
+search becomes the cheaper one. Each timed call starts from cold caches (`EVICT_BYTES` read first), as in a decode
+step, where the selects of 84+ (layer, KV head) pairs and the model's weights pass through the caches between two
+selects of one head.
+
+Until 2026-12-05 the choice below the crossover was the exact top-B token oracle (``exact``), whose select and
+insert are cheaper still. It was dropped for accuracy: on SmolLM2 4k RULER NIAH (200 samples) it scored 4.1
+points below M-DCI at budget 256 (paired bootstrap 95% interval [-7.1, -1.4]); ranking M-DCI's own pages
+exhaustively kept M-DCI's score on the samples where the two disagreed (``experiments/auto_pages/``).
 
 The runtime (`icecache.runtime.cache.IceCache`) decides once per cache, from the middle tokens per head the
 generation is expected to hold (prompt, or ``max_cache_len`` when given, minus sink and window), and reports
-the choice in ``stats()["index"]``. A cache that starts below the crossover keeps the exact scorer while it
-grows past it (still exact; slower than M-DCI there).
+the choice in ``stats()["index"]``. A cache that starts below the crossover keeps scoring every key while it
+grows past it (same pages; slower than the tree search there).
 """
 
 from __future__ import annotations
@@ -35,8 +37,13 @@ import torch
 from icecache.core.errors import ConfigError
 
 AUTO = "auto"
-#: the pagers ``auto`` chooses between: (below the crossover, at or above it)
-CHOICES = ("exact", "mdci")
+#: what ``auto`` chooses between, as (name in reports, pager, its parameters): below the crossover, at or above it
+CHOICES: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    ("mdci[search=exhaustive]", "mdci", {"search": "exhaustive"}),
+    ("mdci", "mdci", {}),
+)
+#: short labels of the two choices in `measure_crossover`'s result
+LABELS = ("exhaustive", "tree")
 #: key counts per head at which `measure_crossover` times both selects
 DEFAULT_GRID = (2048, 4096, 8192, 16384, 32768, 65536)
 #: the largest crossover reported (when M-DCI is never faster, extrapolated no further)
@@ -71,22 +78,32 @@ def check_index(index: str, params: dict[str, Any], *, head_dim: int, page_size:
 
 
 def choose_index(middle_keys: int, crossover: int) -> str:
-    """``"exact"`` when a head will hold fewer than ``crossover`` offloaded keys, else ``"mdci"``."""
-    return CHOICES[0] if middle_keys < crossover else CHOICES[1]
+    """``"mdci[search=exhaustive]"`` when a head will hold fewer than ``crossover`` offloaded keys, else
+    ``"mdci"`` (a name of `CHOICES`; `choice_pager` gives its pager and parameters)."""
+    return CHOICES[0][0] if middle_keys < crossover else CHOICES[1][0]
 
 
-def crossover_from_times(grid: Sequence[int], exact_s: Sequence[float], mdci_s: Sequence[float]) -> int:
-    """Keys per head where M-DCI's select becomes faster than the exact scorer's.
+def choice_pager(choice: str) -> tuple[str, dict[str, Any]]:
+    """The pager name and parameters of a `CHOICES` name."""
+    for name, pager, params in CHOICES:
+        if name == choice:
+            return pager, dict(params)
+    raise ValueError(f"not an index='auto' choice: {choice!r}")
 
-    ``grid`` ``[m]`` ascending key counts, ``exact_s`` / ``mdci_s`` ``[m]`` select seconds there. The log of the
-    time ratio mdci/exact is interpolated linearly in log(keys) between the first pair of grid points where it
+
+def crossover_from_times(grid: Sequence[int], scan_s: Sequence[float], index_s: Sequence[float]) -> int:
+    """Keys per head where an index's select becomes faster than a scan of every key.
+
+    ``grid`` ``[m]`` ascending key counts, ``scan_s`` (every key scored: ``mdci[search=exhaustive]``) / ``index_s``
+    (the tree search) ``[m]`` seconds there. The log of the time ratio index/scan is interpolated linearly in
+    log(keys) between the first pair of grid points where it
     changes sign; beyond the grid it is extrapolated from the two outermost points (and capped to
     [0, `MAX_CROSSOVER`]). Pure function.
     """
-    if not (len(grid) == len(exact_s) == len(mdci_s)) or len(grid) < 2:
-        raise ValueError("need at least two grid points with one exact and one mdci time each")
+    if not (len(grid) == len(scan_s) == len(index_s)) or len(grid) < 2:
+        raise ValueError("need at least two grid points with one scan and one index time each")
     x = np.log(np.asarray(grid, dtype=np.float64))
-    r = np.log(np.asarray(mdci_s, dtype=np.float64) / np.asarray(exact_s, dtype=np.float64))  # > 0: exact faster
+    r = np.log(np.asarray(index_s, dtype=np.float64) / np.asarray(scan_s, dtype=np.float64))  # > 0: the scan is faster
 
     def root(i: int, j: int) -> float:
         if r[i] == r[j]:
@@ -94,7 +111,7 @@ def crossover_from_times(grid: Sequence[int], exact_s: Sequence[float], mdci_s: 
         t = x[i] + (0.0 - r[i]) * (x[j] - x[i]) / (r[j] - r[i])
         return math.exp(min(t, 700.0))  # nearly equal ratios extrapolate far: e^700 is finite, capped below
 
-    if r[0] <= 0:  # M-DCI already faster at the smallest size
+    if r[0] <= 0:  # the index already faster at the smallest size
         n = root(0, 1) if r[1] < r[0] else 0.0
         return int(min(max(n, 0.0), grid[0]))
     for i in range(len(grid) - 1):
@@ -107,13 +124,14 @@ def crossover_from_times(grid: Sequence[int], exact_s: Sequence[float], mdci_s: 
 def measure_crossover(head_dim: int, group: int, budget: int, page_size: int, *, grid: Sequence[int] = DEFAULT_GRID,
                       calls: int = 30, seed: int = 0, cold: bool = True, select_threads: int = 1,
                       progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Time what one decode step costs each pager per (layer, KV head): one ``select_arrays`` (``group``
-    queries, ``budget`` tokens) plus the one-token ``insert`` of the token leaving the window. Gaussian keys
+    """Time what one decode step costs each choice (`CHOICES`, labelled `LABELS`) per (layer, KV head): one
+    ``select_arrays`` (``group`` queries, ``budget`` tokens) plus the one-token ``insert`` of the token leaving
+    the window (the same M-DCI insert for both: it is timed so that a step's cost is whole). Gaussian keys
     ``[n, head_dim]`` for each ``n`` of ``grid``; one torch thread, and ``select_threads`` for the pagers' own
-    parallel scans (`SemanticPager`); median of ``calls``; the two pagers' calls
-    alternate so that the machine's drift hits both alike; ``cold``: each timed call starts from cold caches
-    (`EVICT_BYTES` read first, not timed). Returns ``{"crossover_keys", "grid", "exact_s", "mdci_s"`` (select +
-    insert per step) ``, "select_s", "insert_s"`` (per pager: the medians of each part) ``, "calls", "cold",
+    parallel scans (`SemanticPager`); median of ``calls``; the two pagers' calls alternate so that the
+    machine's drift hits both alike; ``cold``: each timed call starts from cold caches (`EVICT_BYTES` read
+    first, not timed). Returns ``{"crossover_keys", "grid", "exhaustive_s", "tree_s"`` (select + insert per
+    step) ``, "select_s", "insert_s"`` (per label: the medians of each part) ``, "calls", "cold",
     "select_threads", "seconds"}``."""
     from icecache.indexes.registry import make_pager
 
@@ -130,8 +148,8 @@ def measure_crossover(head_dim: int, group: int, budget: int, page_size: int, *,
         fn(*args, check=False)
         return time.perf_counter() - t0
 
-    step: dict[str, list[float]] = {name: [] for name in CHOICES}
-    parts: dict[str, dict[str, list[float]]] = {name: {"select": [], "insert": []} for name in CHOICES}
+    step: dict[str, list[float]] = {name: [] for name in LABELS}
+    parts: dict[str, dict[str, list[float]]] = {name: {"select": [], "insert": []} for name in LABELS}
     try:
         for n in grid:
             if progress is not None:
@@ -139,18 +157,19 @@ def measure_crossover(head_dim: int, group: int, budget: int, page_size: int, *,
             keys = torch.from_numpy(rng.standard_normal((n, head_dim), dtype=np.float32))
             queries = [torch.from_numpy(rng.standard_normal((group, head_dim), dtype=np.float32)) for _ in range(calls)]
             new_keys = torch.from_numpy(rng.standard_normal((calls + 1, 1, head_dim), dtype=np.float32))
-            pagers = {name: make_pager(name, head_dim=head_dim, page_size=page_size, seed=seed) for name in CHOICES}
+            pagers = {label: make_pager(pager, head_dim=head_dim, page_size=page_size, seed=seed, **params)
+                      for label, (_, pager, params) in zip(LABELS, CHOICES)}
             for pager in pagers.values():
                 pager.select_threads = select_threads
                 pager.build(keys)
                 pager.select_arrays(queries[0], budget, check=False)  # warm-up
                 pager.insert(new_keys[calls], check=False)
-            calls_s: dict[str, dict[str, list[float]]] = {name: {"select": [], "insert": []} for name in CHOICES}
+            calls_s: dict[str, dict[str, list[float]]] = {name: {"select": [], "insert": []} for name in LABELS}
             for i, q in enumerate(queries):
                 for name, pager in pagers.items():
                     calls_s[name]["select"].append(timed(pager.select_arrays, q, budget))
                     calls_s[name]["insert"].append(timed(pager.insert, new_keys[i]))
-            for name in CHOICES:
+            for name in LABELS:
                 sel, ins = calls_s[name]["select"], calls_s[name]["insert"]
                 step[name].append(statistics.median(a + b for a, b in zip(sel, ins)))
                 parts[name]["select"].append(statistics.median(sel))
@@ -158,9 +177,9 @@ def measure_crossover(head_dim: int, group: int, budget: int, page_size: int, *,
     finally:
         torch.set_num_threads(threads)
     return {
-        "crossover_keys": crossover_from_times(grid, step["exact"], step["mdci"]),
-        "grid": list(grid), "exact_s": step["exact"], "mdci_s": step["mdci"],
-        "select_s": {name: parts[name]["select"] for name in CHOICES},
-        "insert_s": {name: parts[name]["insert"] for name in CHOICES},
+        "crossover_keys": crossover_from_times(grid, step["exhaustive"], step["tree"]),
+        "grid": list(grid), "exhaustive_s": step["exhaustive"], "tree_s": step["tree"],
+        "select_s": {name: parts[name]["select"] for name in LABELS},
+        "insert_s": {name: parts[name]["insert"] for name in LABELS},
         "calls": calls, "cold": cold, "select_threads": select_threads, "seconds": round(time.perf_counter() - t_start, 2),
     }

@@ -164,7 +164,7 @@ class MDCIPager(SemanticPager):
             tree = self.index.tree
             q = queries.detach().to(torch.float32).contiguous().numpy()
             return rank_pages_exhaustive(q, tree.vectors, tree.num_points, self.table.page_of_, self.table.id_capacity,
-                                         budget)
+                                         budget, self.select_threads)
         return self.index.rank_pages(queries.numpy(), budget)
 
     @staticmethod

@@ -23,8 +23,9 @@ FILENAME = "auto_index.json"
 #: Bumped when a pager's select code or the measurement changes (2: the exact scorer became one compiled call;
 #: 3: selects timed from cold caches; 4: the exact scorer finds its k-th score from a sampled threshold; 5: each
 #: pager's one-token insert is timed with its select, the two pagers alternating; 6: the exact scan runs on
-#: ``select_threads`` threads), so a stored crossover measured on older code is measured again.
-SELECT_CODE = 6
+#: ``select_threads`` threads; 7: the choices are M-DCI's pages scored exhaustively vs its tree search), so a
+#: stored crossover measured on older code is measured again.
+SELECT_CODE = 7
 
 
 def crossover_path() -> Path:
@@ -48,7 +49,7 @@ def read_entries(path: Path) -> dict[str, Any]:
 
 
 def machine_crossover(head_dim: int, group: int, budget: int, page_size: int, *, select_threads: int = 1) -> int:
-    """Keys per head above which M-DCI selects faster than the exact scorer on this machine, for this shape and
+    """Keys per head above which M-DCI's tree search selects faster than scoring every key on this machine, for this shape and
     the threads a select may use (`SemanticPager`'s ``select_threads``): read from the stored measurements, else
     measured now and stored (atomically)."""
     path = crossover_path()
@@ -56,7 +57,7 @@ def machine_crossover(head_dim: int, group: int, budget: int, page_size: int, *,
     entry = read_entries(path).get(key)
     if isinstance(entry, dict) and isinstance(entry.get("crossover_keys"), int):
         return entry["crossover_keys"]
-    print(f"icecache: index='auto' measures exact vs mdci select + insert on this machine once ({key}); "
+    print(f"icecache: index='auto' measures M-DCI's select by scan vs by tree search on this machine once ({key}); "
           f"stored in {path}", file=sys.stderr, flush=True)
     entry = measure_crossover(head_dim, group, budget, page_size, select_threads=select_threads)
     entries = read_entries(path)

@@ -22,7 +22,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindo
 
 from icecache.core.config import IceCacheConfig
 from icecache.core.errors import CacheMisuseError, ConfigError
-from icecache.indexes.auto import AUTO, check_index, choose_index
+from icecache.indexes.auto import AUTO, check_index, choice_pager, choose_index
 from icecache.indexes.registry import make_pager
 from icecache.runtime import link
 from icecache.runtime.dense_layer import GrowingLayer
@@ -146,9 +146,10 @@ class IceCache(Cache):
         return self.accounting.trace
 
     def choose_index(self, context_tokens: int) -> str:
-        """The pager of every sparse layer, fixed at the first prefill: ``config.index``, or with ``"auto"`` the
-        exact scorer when a head will hold fewer offloaded keys than this machine's crossover
-        (`icecache.runtime.auto_index`), else M-DCI. ``context_tokens``: the prompt, or ``max_cache_len``."""
+        """The pager of every sparse layer, fixed at the first prefill: ``config.index``, or with ``"auto"``
+        ``"mdci[search=exhaustive]"`` (M-DCI's pages, every key scored) when a head will hold fewer offloaded keys
+        than this machine's crossover (`icecache.runtime.auto_index`), else ``"mdci"`` (its tree search).
+        ``context_tokens``: the prompt, or ``max_cache_len``."""
         if self.index is None:
             cfg = self.ice
             if self.auto_crossover is None:
@@ -161,8 +162,8 @@ class IceCache(Cache):
 
     def _default_pager(self, layer_idx: int, row: int, kv_head: int, head_dim: int) -> Any:
         cfg = self.ice
-        params = {} if cfg.index == AUTO else cfg.index_params
-        return make_pager(self.index, head_dim=head_dim, page_size=cfg.page_size, seed=cfg.seed, record_moves=True, **params)
+        name, params = choice_pager(self.index) if cfg.index == AUTO else (self.index, cfg.index_params)
+        return make_pager(name, head_dim=head_dim, page_size=cfg.page_size, seed=cfg.seed, record_moves=True, **params)
 
     @classmethod
     def from_dense(cls, dense: Any, config: IceCacheConfig | None = None, *, model_config: Any,
