@@ -397,6 +397,29 @@ def test_compiled_lift_of_one_point_equals_lift(seed, n, d, metric, scale):
     np.testing.assert_allclose(tree.ext[:n], ext, rtol=1e-6, atol=1e-6 * scale)
 
 
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**16), n=st.integers(40, 3000), d=st.sampled_from([1, 7, 16, 64]), inserted=st.integers(0, 200),
+       scale=st.floats(1e-2, 1e2))
+def test_packed_level1_search_is_the_scattered_one(seed, n, d, inserted, scale):
+    """A decode insert finds its parent among level 1's keys packed contiguously (`DCITree.level1_packed`,
+    `brute_nearest_packed`): the same node and the same float64 distance, bit for bit, as the search over
+    scattered rows (`brute_nearest_one`), and the packed copy stays the rows it copies through inserts and rekeys
+    (longer keys: `DCITree.check` compares them)."""
+    idx = DCIIndex(d, "mips", DCIParams(), seed=seed)
+    idx.build(data(seed, n, d, clustered=True, scale=scale))
+    idx.insert(data(seed + 1, inserted, d, clustered=True, scale=scale * 1.5))
+    tree = idx.tree
+    idx.check()
+    if tree.num_levels < 2:
+        return
+    up, vectors, ext = tree.level1_packed()
+    assert np.array_equal(up, tree.members(1))
+    for point in range(0, tree.num_points, max(1, tree.num_points // 50)):
+        want = kernels.brute_nearest_one(point, up, tree.vectors, tree.ext, 2, float(tree.msq))
+        got = kernels.brute_nearest_packed(point, up, vectors, ext, tree.vectors, tree.ext, float(tree.msq))
+        assert got[0] == want[0] and got[1] == want[1]
+
+
 def test_slab_compaction_keeps_structure():
     """Relocated clusters leave garbage in the run slab; compaction moves blocks without changing results."""
     X = data(4, 3000, 8, clustered=True)

@@ -662,6 +662,26 @@ def brute_nearest_one(x, up, X, ext, mode, msq):
     return best, bd
 
 
+@njit(nogil=True, cache=True, fastmath=_FM)
+def brute_nearest_packed(x, up, UX, uext, X, ext, msq):
+    """`brute_nearest_one` in MIPS mode over nodes whose keys ``UX`` ``[m, d]`` and lifts ``uext`` ``[m]`` are
+    packed in ``up``'s order (`DCITree.level1_packed`): the same sums in the same order, read from contiguous
+    rows instead of one scattered row per node (a decode insert reads them from cold caches)."""
+    best = -1
+    bd = np.inf
+    for i in range(up.shape[0]):
+        s = 0.0
+        for a in range(X.shape[1]):
+            s += np.float64(X[x, a]) * np.float64(UX[i, a])
+        s = msq - s - np.float64(ext[x]) * np.float64(uext[i])
+        if s < 0.0:
+            s = 0.0
+        if s < bd:
+            bd = s
+            best = up[i]
+    return best, bd
+
+
 @njit(nogil=True, cache=True, fastmath=_FM)  # vectorised sums: 25 -> 3 us per insert at 8k
 def adopt_scan(x, ys, X, ext, pdist, mode, msq, margin):
     """Mask over ``ys``: the point is closer to ``x`` than to its parent by more than ``margin``."""

@@ -116,6 +116,11 @@ class DCITree:
         self.level_counts: list[int] = []
         self.schedule_counts = np.zeros(64, np.int64)  # [63] = number of levels
         self.schedule_next = np.zeros(1, np.int64)
+        # level 1's keys and lifts, packed in `members(1)` order (`level1_packed`): an insert's brute-force parent
+        # search streams them instead of gathering one scattered row per node
+        self.level1_vectors = np.zeros((0, self.dim), np.float32)
+        self.level1_ext = np.zeros(0, np.float32)
+        self.level1_rows = 0
 
     @property
     def num_levels(self) -> int:
@@ -241,9 +246,30 @@ class DCITree:
         """Ids on ``level`` (ascending), int64."""
         return self.level_ids[level][: self.level_counts[level]]
 
+    def level1_packed(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(ids [m], vectors [m, d], ext [m])`` of level 1, contiguous, in `members` order. Level 1 only grows
+        between two `lift` calls (which change ``ext``, and empty the copy), so the copy is brought up to date by
+        appending the newest members' rows."""
+        ids = self.members(1)
+        m = len(ids)
+        if m > self.level1_rows:
+            if m > len(self.level1_vectors):
+                cap = grown_capacity(m, len(self.level1_vectors))
+                vectors = np.empty((cap, self.dim), np.float32)
+                ext = np.empty(cap, np.float32)
+                vectors[: self.level1_rows] = self.level1_vectors[: self.level1_rows]
+                ext[: self.level1_rows] = self.level1_ext[: self.level1_rows]
+                self.level1_vectors, self.level1_ext = vectors, ext
+            new = ids[self.level1_rows :]
+            self.level1_vectors[self.level1_rows : m] = self.vectors[new]
+            self.level1_ext[self.level1_rows : m] = self.ext[new]
+            self.level1_rows = m
+        return ids, self.level1_vectors[:m], self.level1_ext[:m]
+
     # ------------------------------------------------------------------ transforms
     def lift(self, ids: np.ndarray) -> None:
         """Recompute ``ext`` and projections of ``ids`` from the stored vectors and ``msq``."""
+        self.level1_rows = 0  # the packed copy of level 1 holds the old ``ext``
         x = self.vectors[ids].astype(np.float64)
         projections = x @ self.dirs[:, : self.dim].T
         if self.mips:
@@ -315,6 +341,10 @@ class DCITree:
         assert (par[is_top] == -1).all() and (par[~is_top] >= 0).all(), "only top-level points hang off the root"
         below_top = ~is_top
         assert (lev[par[below_top]] == lev[below_top] + 1).all(), "a parent is not on the next level up"
+        if self.level1_rows:  # the packed copy of level 1 is the rows it copies
+            packed = self.members(1)[: self.level1_rows]
+            assert np.array_equal(self.level1_vectors[: self.level1_rows], self.vectors[packed]), "level 1 packed keys"
+            assert np.array_equal(self.level1_ext[: self.level1_rows], self.ext[packed]), "level 1 packed lifts"
         # Stored projections equal recomputed ones.
         x = self.vectors[:n].astype(np.float64)
         if self.mips:

@@ -112,15 +112,16 @@ def _leaf_fast_path(tree: DCITree, vector: np.ndarray, sq_norm: float) -> bool:
     if (not tree.mips or sq_norm > tree.msq or tree.num_levels < 2 or table is None or table.page_size == 1
             or tree.params.page_split != "projection"):
         return False
-    upper = tree.members(1)
-    if len(upper) > tree.params.brute_force_threshold:
+    if tree.level_counts[1] > tree.params.brute_force_threshold:
         return False
+    upper, upper_vectors, upper_ext = tree.level1_packed()
     point = tree.num_points
     tree.grow(point + 1)
     table.reserve_positions(point + 1)
     tree.num_points = point + 1
     status, parent, page, slot, neighbour = _insert_leaf(
-        point, vector, upper, tree.vectors, tree.ext, tree.proj, tree.dirs, tree.dim, float(tree.msq), tree.level_of,
+        point, vector, upper, upper_vectors, upper_ext, tree.vectors, tree.ext, tree.proj, tree.dirs, tree.dim,
+        float(tree.msq), tree.level_of,
         tree.parent_of, tree.parent_dist, tree.num_descendants, tree.cluster_start, tree.cluster_size, tree.cluster_cap,
         tree.run_key, tree.run_id, tree.vectors_run0, table.page_of_, table.slot_of_, table.members, table.sizes_,
         table.page_size,
@@ -137,7 +138,7 @@ def _leaf_fast_path(tree: DCITree, vector: np.ndarray, sq_norm: float) -> bool:
 
 
 @njit(nogil=True, cache=True)
-def _insert_leaf(point, vector, upper, X, ext, proj, dirs, dim, msq, level_of, parent_of, parent_dist, num_desc,
+def _insert_leaf(point, vector, upper, upper_X, upper_ext, X, ext, proj, dirs, dim, msq, level_of, parent_of, parent_dist, num_desc,
                  cl_start, cl_size, cl_cap, run_key, run_id, Xr, page_of, slot_of, members, sizes, page_size):
     """`_insert_one`'s edits for a level-0 point with a brute-force MIPS parent search, as far as they go without
     Python: the point's rows, its lift, its parent, its run entries and (when the neighbour's page has room) its
@@ -153,7 +154,7 @@ def _insert_leaf(point, vector, upper, X, ext, proj, dirs, dim, msq, level_of, p
     cl_size[point + 1] = 0
     cl_cap[point + 1] = 0
     lift_point(point, X, dirs, dim, msq, True, ext, proj)
-    parent, dist = kernels.brute_nearest_one(point, upper, X, ext, 2, msq)
+    parent, dist = kernels.brute_nearest_packed(point, upper, upper_X, upper_ext, X, ext, msq)
     parent_dist[point] = dist
     parent_of[point] = parent
     cid = parent + 1
@@ -182,6 +183,11 @@ def _insert_leaf(point, vector, upper, X, ext, proj, dirs, dim, msq, level_of, p
 def _parent_of_one(tree: DCITree, point: int, level: int) -> tuple[int, float]:
     upper = tree.members(level + 1)
     if len(upper) <= tree.params.brute_force_threshold:
+        if level == 0 and tree.mips:  # the same search as the compiled leaf insert's
+            upper, upper_vectors, upper_ext = tree.level1_packed()
+            parent, dist = kernels.brute_nearest_packed(point, upper, upper_vectors, upper_ext, tree.vectors, tree.ext,
+                                                        float(tree.msq))
+            return int(parent), float(dist)
         parent, dist = kernels.brute_nearest_one(point, upper, tree.vectors, tree.ext, tree.key_mode, float(tree.msq))
         return int(parent), float(dist)
     parents, dists = search_parents(tree, np.array([point], np.int64), level)
