@@ -636,6 +636,20 @@ def cluster_remove(run_key, run_id, Xr, start, size, tid):
                 Xr[start + b] = Xr[start + b + 1]
 
 
+@njit(nogil=True, cache=True, fastmath=_FM, inline="always")
+def mips_distance(X, x, Y, row, ext_x, ext_row, msq):
+    """Lifted MIPS distance ``msq - <X[x], Y[row]> - ext_x ext_row`` in float64, clamped at 0 (section 4). One
+    definition, inlined, for every brute-force scan, so that a scan over scattered rows and one over a packed
+    copy of them make the same sums in the same order."""
+    s = 0.0
+    for a in range(X.shape[1]):
+        s += np.float64(X[x, a]) * np.float64(Y[row, a])
+    s = msq - s - np.float64(ext_x) * np.float64(ext_row)
+    if s < 0.0:
+        s = 0.0
+    return s
+
+
 @njit(nogil=True, cache=True, fastmath=_FM)  # vectorised sums: 25 -> 3 us per insert at 8k
 def brute_nearest_one(x, up, X, ext, mode, msq):
     """Exact nearest node of ``up`` to point ``x`` (ties -> first in ``up``): ``(id, distance)``."""
@@ -649,11 +663,7 @@ def brute_nearest_one(x, up, X, ext, mode, msq):
                 t = np.float64(X[x, a]) - np.float64(X[u, a])
                 s += t * t
         else:
-            for a in range(X.shape[1]):
-                s += np.float64(X[x, a]) * np.float64(X[u, a])
-            s = msq - s - np.float64(ext[x]) * np.float64(ext[u])
-            if s < 0.0:
-                s = 0.0
+            s = mips_distance(X, x, X, u, ext[x], ext[u], msq)
         if s < bd:
             bd = s
             best = u
@@ -665,17 +675,12 @@ def brute_nearest_one(x, up, X, ext, mode, msq):
 @njit(nogil=True, cache=True, fastmath=_FM)
 def brute_nearest_packed(x, up, UX, uext, X, ext, msq):
     """`brute_nearest_one` in MIPS mode over nodes whose keys ``UX`` ``[m, d]`` and lifts ``uext`` ``[m]`` are
-    packed in ``up``'s order (`DCITree.level1_packed`): the same sums in the same order, read from contiguous
+    packed in ``up``'s order (`DCITree.level1_packed`): the same sums (`mips_distance`), read from contiguous
     rows instead of one scattered row per node (a decode insert reads them from cold caches)."""
     best = -1
     bd = np.inf
     for i in range(up.shape[0]):
-        s = 0.0
-        for a in range(X.shape[1]):
-            s += np.float64(X[x, a]) * np.float64(UX[i, a])
-        s = msq - s - np.float64(ext[x]) * np.float64(uext[i])
-        if s < 0.0:
-            s = 0.0
+        s = mips_distance(X, x, UX, i, ext[x], uext[i], msq)
         if s < bd:
             bd = s
             best = up[i]
