@@ -169,6 +169,11 @@ def test_harness_slice_on_the_embedded_model(smollm2):
     quest = next(e for e in summ if e["method"] == "quest")
     assert 0 < quest["device_kv_fraction"] < 1
     assert "| quest | 64 |" in markdown(summ)
+    # index="auto" rows say which select it chose for the prompt
+    auto = EvalSpec(task="passkey", methods=["icecache"], budgets=[64], lengths=[600], samples=1,
+                    config=IceCacheConfig(index="auto", index_params={"crossover": 10_000}))
+    assert [r["auto_choice"] for r in run_eval(model, tok, auto, progress=False)] == ["mdci[search=exhaustive]"]
+    assert all("auto_choice" not in r for r in rows)
 
 
 def test_eval_spec_validates():

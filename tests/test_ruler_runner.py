@@ -70,6 +70,18 @@ def test_runs_every_method_from_one_prefill_and_resumes(tmp_path, model):
     assert len(more) == 12 and len((tmp_path / "predictions.jsonl").read_text().splitlines()) == 12
 
 
+def test_auto_records_the_select_it_chose(tmp_path, model):
+    """A run with ``index="auto"`` says in each IceCache record which select auto chose; other runs do not."""
+    tok = CharTokenizer()
+    cfg = IceCacheConfig(index="auto", index_params={"crossover": 10_000}, budget=32, page_size=8, sink=4, window=32,
+                         dense_layers=(0,), threads=1)
+    records = run_ruler(model, tok, _spec(tasks=["niah_single_1"], methods=["full", "icecache"], config=cfg), tmp_path,
+                        progress=False)
+    assert {r["method"]: r.get("auto_choice") for r in records} == {"full": None, "icecache": "mdci[search=exhaustive]"}
+    plain = run_ruler(model, tok, _spec(tasks=["niah_single_1"], methods=["icecache"]), tmp_path / "b", progress=False)
+    assert all("auto_choice" not in r for r in plain)
+
+
 def test_resumed_run_equals_one_shot_run(tmp_path, model):
     tok = CharTokenizer()
     one_shot = run_ruler(model, tok, _spec(tasks=["niah_single_1"]), tmp_path / "a", progress=False)

@@ -143,6 +143,8 @@ def run_eval(model: Any, tokenizer: Any, spec: EvalSpec, progress: bool = True,
                         row["device_kv_bytes"] = st["device_kv_bytes"]
                         row["full_kv_bytes"] = st["full_kv_bytes"]
                         row["tokens_per_selection"] = st["tokens_per_selection"]
+                        if cfg.index == "auto":  # which select auto chose for this prompt
+                            row["auto_choice"] = st["index"]
                         if cfg.top_p is not None:
                             row["top_p"] = cfg.top_p
                 finally:

@@ -237,6 +237,8 @@ def answer_method(
                                stop_when=settled)
         if isinstance(cache, IceCache) and cfg.top_p is not None:
             extra["tokens_per_selection"] = cache.stats()["tokens_per_selection"]
+        if isinstance(cache, IceCache) and cfg.index == "auto":  # which select auto chose for this prompt
+            extra["auto_choice"] = cache.stats()["index"]
     finally:
         if isinstance(cache, IceCache):
             cache.close()
