@@ -68,6 +68,28 @@ def test_losses_are_classified_once_and_a_rerun_skips_them():
     assert cells[5:9] == ["1", "1", str(int(classes[0] == "page miss")), str(int(classes[0] == "search miss"))]
 
 
+def test_a_search_miss_by_recall_is_answered_again_with_the_pages_ranked_exhaustively(monkeypatch):
+    """When the recalls say search miss, an M-DCI method answers the sample again with ``search="exhaustive"``;
+    the class follows that answer. Other pagers keep the recall's verdict (nothing to re-answer with)."""
+    import icecache.eval.ruler.diagnose as diagnose
+
+    monkeypatch.setattr(diagnose, "replay", lambda *a, **k: diagnose.Replay(0.2, 0.9, 1.0, 3))
+    configs = []
+    real_scan_config = diagnose.scan_config
+    monkeypatch.setattr(diagnose, "scan_config", lambda m, c: configs.append(real_scan_config(m, c)) or configs[-1])
+    model = make_tiny_llama(seed=5, max_position_embeddings=8192)
+    records = [_record(0, "full", "-", 1.0), _record(0, "exact", "32", 1.0), _record(0, "icecache", "32", 0.0)]
+    config = IceCacheConfig(budget=32, page_size=8, sink=4, window=32, dense_layers=(0,), threads=1)
+    [row] = diagnose_losses(model, OffsetCharTokenizer(), records, "icecache", "32", seed=42, config=config,
+                            chat_template=False, progress=False)
+    assert configs[-1].index == "mdci" and configs[-1].index_params == {"search": "exhaustive"}
+    assert 0.0 <= row["scan_score"] <= 1.0
+    assert row["class"] == ("search miss" if row["scan_score"] >= 1.0 else "page miss")
+    [other] = diagnose_losses(model, OffsetCharTokenizer(), records, "icecache", "32", seed=42,
+                              config=config.replace(index="sequential"), chat_template=False, progress=False)
+    assert configs[-1] is None and "scan_score" not in other and other["class"] == "search miss"
+
+
 def _args(out, **kw) -> argparse.Namespace:
     base = dict(out=None if out is None else str(out), diagnose="icecache@256", model=None, json=True)
     base.update(kw)
