@@ -16,9 +16,11 @@ def test_classes_follow_the_reference_methods():
     assert classify(1.0, 0.5, r(0.0, 1.0)) == "budget"  # the exact top-B oracle fails too
     assert classify(1.0, 1.0, r(0.2, 0.9)) == "search miss"  # a perfect ranking of its own pages had it
     assert classify(1.0, 1.0, r(0.2, 0.25)) == "page miss"  # even a perfect ranking drops those pages
-    # a search miss by recall that the perfect ranking, answered for real, loses too is a page miss
+    # when the sample was answered with the pages ranked exhaustively, that answer decides, not the recalls
     assert classify(1.0, 1.0, r(0.2, 0.9), scan_score=1.0) == "search miss"
     assert classify(1.0, 1.0, r(0.2, 0.9), scan_score=0.5) == "page miss"
+    assert classify(1.0, 1.0, r(0.2, 0.25), scan_score=1.0) == "search miss"
+    assert classify(0.0, 1.0, r(0.2, 0.9), scan_score=1.0) == "model" and classify(1.0, 0.0, None, scan_score=1.0) == "budget"
 
 
 def test_exhaustive_page_ranking_is_the_best_whole_pages_within_budget():

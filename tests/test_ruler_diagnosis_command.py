@@ -68,9 +68,10 @@ def test_losses_are_classified_once_and_a_rerun_skips_them():
     assert cells[5:9] == ["1", "1", str(int(classes[0] == "page miss")), str(int(classes[0] == "search miss"))]
 
 
-def test_a_search_miss_by_recall_is_answered_again_with_the_pages_ranked_exhaustively(monkeypatch):
-    """When the recalls say search miss, an M-DCI method answers the sample again with ``search="exhaustive"``;
-    the class follows that answer. Other pagers keep the recall's verdict (nothing to re-answer with)."""
+def test_an_mdci_loss_is_answered_again_with_the_pages_ranked_exhaustively(monkeypatch):
+    """An M-DCI method's loss that full attention and the oracle answer is answered again with
+    ``search="exhaustive"``; the class follows that answer, whatever the recalls say. Other pagers keep the
+    recalls' verdict (nothing to re-answer with)."""
     import icecache.eval.ruler.diagnose as diagnose
 
     monkeypatch.setattr(diagnose, "replay", lambda *a, **k: diagnose.Replay(0.2, 0.9, 1.0, 3))
