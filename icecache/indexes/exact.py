@@ -40,9 +40,10 @@ def _kth_largest(scores: np.ndarray, k: int) -> np.float32:
 
 
 @njit(nogil=True, cache=True, fastmath={"reassoc", "contract"}, inline="always")
-def _group_scores(queries: np.ndarray, keys: np.ndarray, lo: int, hi: int, scores: np.ndarray) -> None:
+def group_scores_range(queries: np.ndarray, keys: np.ndarray, lo: int, hi: int, scores: np.ndarray) -> None:
     """``scores[j] = max_g q_g . keys[j]`` for ``j`` in ``[lo, hi)``: one read of each key row for the group.
-    Inlined into both scans, so a key's score is the same float whatever the thread count."""
+    Inlined into every scan (the exact scorer's, `icecache.indexes.page_scan`'s), so a key's score is the same
+    float whatever the thread count."""
     g, d = queries.shape
     for j in range(lo, hi):
         best = -np.inf
@@ -57,14 +58,14 @@ def _group_scores(queries: np.ndarray, keys: np.ndarray, lo: int, hi: int, score
 
 @njit(nogil=True, cache=True, fastmath={"reassoc", "contract"}, parallel=True)
 def _group_scores_parallel(queries: np.ndarray, keys: np.ndarray, n: int, chunks: int, scores: np.ndarray) -> None:
-    """`_group_scores` over ``[0, n)`` in ``chunks`` contiguous ranges, one per thread (numba ``prange``)."""
+    """`group_scores_range` over ``[0, n)`` in ``chunks`` contiguous ranges, one per thread (numba ``prange``)."""
     for c in prange(chunks):
-        _group_scores(queries, keys, c * n // chunks, (c + 1) * n // chunks, scores)
+        group_scores_range(queries, keys, c * n // chunks, (c + 1) * n // chunks, scores)
 
 
 @njit(nogil=True, cache=True, fastmath={"reassoc", "contract"})
 def _group_scores_serial(queries: np.ndarray, keys: np.ndarray, n: int, scores: np.ndarray) -> None:
-    _group_scores(queries, keys, 0, n, scores)
+    group_scores_range(queries, keys, 0, n, scores)
 
 
 #: fewest keys per thread for which a parallel scan pays for waking the other threads (measured ~20 us)
@@ -133,7 +134,7 @@ def _layer_top_parallel(queries: np.ndarray, keys: tuple, n: int, budget: int, c
     scores = np.empty((heads, n), np.float32)
     for t in prange(heads * chunks):
         h, c = t // chunks, t % chunks
-        _group_scores(queries[h], keys[h], c * n // chunks, (c + 1) * n // chunks, scores[h])
+        group_scores_range(queries[h], keys[h], c * n // chunks, (c + 1) * n // chunks, scores[h])
     out = np.empty((heads, min(budget, n)), np.int64)
     for h in prange(heads):
         out[h] = top_of_scores(scores[h], budget)[0]
@@ -146,7 +147,7 @@ def _layer_top_serial(queries: np.ndarray, keys: tuple, n: int, budget: int) -> 
     scores = np.empty(n, np.float32)
     out = np.empty((heads, min(budget, n)), np.int64)
     for h in range(heads):
-        _group_scores(queries[h], keys[h], 0, n, scores)
+        group_scores_range(queries[h], keys[h], 0, n, scores)
         out[h] = top_of_scores(scores, budget)[0]
     return out
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from icecache.indexes.exact import MIN_KEYS_PER_THREAD, _group_scores, group_scores, top_of_scores
+from icecache.indexes.exact import MIN_KEYS_PER_THREAD, group_scores, group_scores_range, top_of_scores
 
 
 @njit(nogil=True, cache=True, fastmath={"reassoc", "contract"})
@@ -71,7 +71,7 @@ def _layer_parallel(queries, keys, ns, page_of, num_ids, budget, chunks, out_ids
     for t in prange(heads * chunks):
         h, c = t // chunks, t % chunks
         n = ns[h]
-        _group_scores(queries[h], keys[h], c * n // chunks, (c + 1) * n // chunks, scores[h])
+        group_scores_range(queries[h], keys[h], c * n // chunks, (c + 1) * n // chunks, scores[h])
     for h in prange(heads):
         ids, _ = _rank_scored(scores[h, : ns[h]], page_of[h], num_ids[h], budget)
         counts[h] = ids.shape[0]
@@ -85,7 +85,7 @@ def _layer_serial(queries, keys, ns, page_of, num_ids, budget, out_ids, counts) 
         width = max(width, ns[h])
     scores = np.empty(width, np.float32)
     for h in range(queries.shape[0]):
-        _group_scores(queries[h], keys[h], 0, ns[h], scores)
+        group_scores_range(queries[h], keys[h], 0, ns[h], scores)
         ids, _ = _rank_scored(scores[: ns[h]], page_of[h], num_ids[h], budget)
         counts[h] = ids.shape[0]
         out_ids[h, : ids.shape[0]] = ids
