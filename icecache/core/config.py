@@ -56,8 +56,9 @@ class IceCacheConfig:
         Number of most recent tokens that always stay on the device (includes the current token).
     index : str
         Pager backend name, as registered in `icecache.indexes` (``"mdci"``, ``"sequential"``, ...), or
-        ``"auto"``: the exact scorer when a head holds fewer offloaded keys than this machine's measured
-        crossover, M-DCI otherwise (`icecache.indexes.auto`; ``index_params={"crossover": N}`` fixes it).
+        ``"auto"``: M-DCI with every key scored (``mdci[search=exhaustive]``) when a head holds fewer offloaded
+        keys than this machine's measured crossover, M-DCI's tree search otherwise (`icecache.indexes.auto`;
+        ``index_params={"crossover": N}`` fixes it).
     index_params : dict
         Extra keyword arguments for the pager backend (for example ``{"field_of_view": 30}``).
     dense_layers : tuple of int
