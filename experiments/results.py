@@ -164,14 +164,8 @@ def _ruler_units(path: Path) -> int:
 MODEL_NAMES = {"smollm2-135m-instruct": "SmolLM2", "gemma-3-270m": "Gemma-3-270M"}
 
 
-def ruler_run(d: Path) -> str:
-    """One RULER folder: its averages when final, else 'running (N finished units)'."""
-    units = _ruler_units(d / "predictions.jsonl")
-    md = (d / "results.md").read_text() if (d / "results.md").exists() else ""
-    m = re.search(r"Predictions: (\d+) units", md)
-    final = (d / "results.csv").exists() and m is not None and int(m.group(1)) >= units and "(interrupted)" not in md
-    if not final:
-        return f"{link(f'experiments/ruler/{d.name}/')}: running ({units} finished units in `predictions.jsonl`)"
+def _ruler_averages(d: Path) -> str:
+    """Per length: full, IceCache at each budget and Quest at its largest budget, from ``results.csv``."""
     model = read_json(d / "run.json").get("model", d.name) if (d / "run.json").exists() else d.name
     avg = [r for r in read_csv(d / "results.csv") if r["task"] == "average"]
     out = []
@@ -189,7 +183,20 @@ def ruler_run(d: Path) -> str:
             last = r["method"]
         n = min(int(r["samples"]) for r in rs)
         out.append(f"{MODEL_NAMES.get(model, model)} {klabel(length, 1024)}: {', '.join(cells)} ({n} samples)")
-    return f"{link(f'experiments/ruler/{d.name}/')}: " + "; ".join(out)
+    return "; ".join(out)
+
+
+def ruler_run(d: Path) -> str:
+    """One RULER folder: its averages when final, else 'running (N finished units)' and, when a partial snapshot
+    wrote its tables, the averages so far."""
+    units = _ruler_units(d / "predictions.jsonl")
+    md = (d / "results.md").read_text() if (d / "results.md").exists() else ""
+    m = re.search(r"Predictions: (\d+) units", md)
+    final = (d / "results.csv").exists() and m is not None and int(m.group(1)) >= units and "(interrupted)" not in md
+    if not final:
+        so_far = f"; so far {_ruler_averages(d)}" if (d / "results.csv").exists() and md.startswith("Partial run") else ""
+        return f"{link(f'experiments/ruler/{d.name}/')}: running ({units} finished units in `predictions.jsonl`{so_far})"
+    return f"{link(f'experiments/ruler/{d.name}/')}: " + _ruler_averages(d)
 
 
 def row_ruler() -> tuple[str, str, str]:
