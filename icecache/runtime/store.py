@@ -41,6 +41,60 @@ def _flat_rows(page_of, slot_of, block_of, page_size, positions):
     return out
 
 
+@njit(nogil=True, cache=True)
+def _read_sources(moves, rows, block_of, page_size, new_k, new_v, first_new):
+    """The K/V of every position a batch of ``moves`` ``[k, 5]`` touches, from where it was before the batch
+    (its first move's source; ``new_k`` / ``new_v`` rows for new positions): ``(positions [m] ascending,
+    data [m, 2, d])``. Empty positions when a source page has no block (the caller raises)."""
+    order = np.argsort(moves[:, 0], kind="mergesort")  # stable: a position's first move comes first
+    k = moves.shape[0]
+    pos = np.empty(k, np.int64)
+    src = np.empty(k, np.int64)  # row in the pool, or -1 - index into the new rows
+    m = 0
+    for t in range(k):
+        i = order[t]
+        if m > 0 and moves[i, 0] == pos[m - 1]:
+            continue
+        pos[m] = moves[i, 0]
+        if moves[i, 1] < 0:
+            src[m] = -1 - (moves[i, 0] - first_new)
+        else:
+            block = block_of[moves[i, 1]]
+            if block < 0:
+                return pos[:0], np.empty((0, 2, rows.shape[2]), rows.dtype)
+            src[m] = block * page_size + moves[i, 2]
+        m += 1
+    data = np.empty((m, 2, rows.shape[2]), rows.dtype)
+    for j in range(m):
+        if src[j] >= 0:
+            data[j] = rows[src[j]]
+        else:
+            data[j, 0] = new_k[-1 - src[j]]
+            data[j, 1] = new_v[-1 - src[j]]
+    return pos[:m], data
+
+
+@njit(nogil=True, cache=True)
+def _dead_and_homeless(moves, pos, sizes, page_of, block_of):
+    """Pages of a batch that no longer exist but hold a block (``dead``), and live destination pages without
+    one (``homeless``), each ascending and unique: ``(dead, homeless)``."""
+    touched = np.concatenate((moves[:, 1], moves[:, 3]))
+    touched = np.unique(touched[touched >= 0])
+    dead = touched[(sizes[touched] < 0) & (block_of[touched] >= 0)]
+    dst = page_of[pos]
+    dst = np.unique(dst[dst >= 0])
+    return dead, dst[block_of[dst] < 0]
+
+
+@njit(nogil=True, cache=True)
+def _write_moved(rows, pos, data, page_of, slot_of, block_of, page_size):
+    """Write ``data`` ``[m, 2, d]`` of positions ``pos`` where the table now places them (live ones only)."""
+    for j in range(pos.shape[0]):
+        page = page_of[pos[j]]
+        if page >= 0:
+            rows[block_of[page] * page_size + slot_of[pos[j]]] = data[j]
+
+
 class HeadStore:
     """Page-shaped host K/V blocks addressed by page id (see module docstring)."""
 
@@ -66,37 +120,24 @@ class HeadStore:
             self._place_new(moves, new_k, new_v, first_new)  # the decode-time common case: appends only
             return
         arr = np.asarray(moves, dtype=np.int64).reshape(-1, 5)
-        # The first move of each position tells where its data was before this batch.
-        pos, first = np.unique(arr[:, 0], return_index=True)
-        src_page, src_slot = arr[first, 1], arr[first, 2]
-        is_new = src_page < 0
-        P = self.page_size
-        rows = self.raw_rows()
-        # ---- read every source first
-        data = np.empty((len(pos), 2, self.head_dim), rows.dtype)
-        old = ~is_new
-        if old.any():
-            blocks = self.block_of[src_page[old]]
-            assert (blocks >= 0).all(), "a move reads a page with no block (journal out of sync)"
-            data[old] = rows[blocks * P + src_slot[old]]
-        if is_new.any():
+        has_new = bool((arr[:, 1] < 0).any())
+        if has_new:
             assert new_k is not None and new_v is not None, "new positions need their K/V"
-            idx = pos[is_new] - first_new
-            data[is_new, 0] = self._raw_new(new_k)[idx]
-            data[is_new, 1] = self._raw_new(new_v)[idx]
+            raw_k, raw_v = self._raw_new(new_k), self._raw_new(new_v)
+        else:
+            raw_k = raw_v = np.zeros((1, self.head_dim), self.raw_rows().dtype)
+        # ---- read every source first (compiled: this runs at every page split of a decode insert)
+        pos, data = _read_sources(arr, self.raw_rows(), self.block_of, self.page_size, raw_k, raw_v, first_new)
+        assert pos.shape[0] > 0, "a move reads a page with no block (journal out of sync)"
         # ---- release blocks of pages that no longer exist, then place every position where it now lives
-        touched = np.unique(arr[:, [1, 3]])
-        touched = touched[touched >= 0]
         self._grow_block_map(self.table.id_capacity)
-        dead = touched[(self.table.sizes_[touched] < 0) & (self.block_of[touched] >= 0)]
+        dead, homeless = _dead_and_homeless(arr, pos, self.table.sizes_, self.table.page_of_, self.block_of)
         self._free_blocks.extend(self.block_of[dead].tolist())
         self.block_of[dead] = -1
-        dst_page, dst_slot = self.table.page_of_[pos], self.table.slot_of_[pos]
-        live = dst_page >= 0
-        homeless = np.unique(dst_page[live])
-        for page in homeless[self.block_of[homeless] < 0].tolist():
+        for page in homeless.tolist():
             self.block_of[page] = self._take_block()
-        self.raw_rows()[self.block_of[dst_page[live]] * P + dst_slot[live]] = data[live]  # the pool may have grown
+        _write_moved(self.raw_rows(), pos, data, self.table.page_of_, self.table.slot_of_, self.block_of,
+                     self.page_size)  # the pool may have grown
 
     def load_layout(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Fill an empty store from the table's current layout in one pass: positions ``0..n-1`` take
