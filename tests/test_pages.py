@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from icecache.core.pages import PageTable
+from icecache.core.pages import Move, PageTable, journal_array
 
 
 def replay(moves, layout=None):
@@ -151,12 +151,9 @@ def test_page_size_must_be_positive():
         PageTable(0)
 
 
-@given(page_size=st.integers(1, 6), groups=st.lists(st.integers(1, 6), min_size=1, max_size=10),
-       picks=st.lists(st.integers(0, 59), max_size=12), target=st.integers(0, 9), fresh=st.booleans())
-def test_move_many_is_move_one_by_one(page_size, groups, picks, target, fresh):
-    """`move_many` leaves the same members, slots, free list and journal as `move` called position by position
-    (brute-force reference), including moves within the target page, sources that empty and free, and the
-    error when the target fills up (the moves before it made)."""
+def _two_tables(page_size: int, groups: list[int]) -> tuple[list[PageTable], int]:
+    """Two equal journalled tables with one page per group (sizes capped at the page size), journals drained;
+    and the number of positions they hold (0..n-1, in group order)."""
     tables = [PageTable(page_size, record_moves=True) for _ in range(2)]
     start = 0
     for table in tables:
@@ -166,6 +163,16 @@ def test_move_many_is_move_one_by_one(page_size, groups, picks, target, fresh):
             table.new_pages([list(range(start, start + size))])
             start += size
         table.take_moves()
+    return tables, start
+
+
+@given(page_size=st.integers(1, 6), groups=st.lists(st.integers(1, 6), min_size=1, max_size=10),
+       picks=st.lists(st.integers(0, 59), max_size=12), target=st.integers(0, 9), fresh=st.booleans())
+def test_move_many_is_move_one_by_one(page_size, groups, picks, target, fresh):
+    """`move_many` leaves the same members, slots, free list and journal as `move` called position by position
+    (brute-force reference), including moves within the target page, sources that empty and free, and the
+    error when the target fills up (the moves before it made)."""
+    tables, start = _two_tables(page_size, groups)
     positions = list(dict.fromkeys(p % start for p in picks))  # distinct paged positions
     outcomes = []
     for one_by_one, table in zip((True, False), tables):
@@ -186,3 +193,58 @@ def test_move_many_is_move_one_by_one(page_size, groups, picks, target, fresh):
     assert a._free == b._free and a.take_moves() == b.take_moves()
     if outcomes[0] == "ok" and (positions or not fresh):  # (an unused fresh page stays empty)
         a.check()
+
+
+@given(page_size=st.integers(1, 6), groups=st.lists(st.integers(1, 6), min_size=1, max_size=10),
+       seed=st.integers(0, 2**16), extra=st.integers(0, 4), keep=st.integers(0, 3))
+def test_repage_is_new_page_and_move_one_by_one(page_size, groups, seed, extra, keep):
+    """`repage` leaves the same members, sizes, free list, id count and journal as a `new_page` per group that is
+    not already one page and `move` (or `append` for an unpaged position) of its positions in order (brute-force
+    reference): groups cut from a shuffled order, some kept as they are, some positions new."""
+    rng = np.random.default_rng(seed)
+    tables, start = _two_tables(page_size, groups)
+    order = rng.permutation(start + extra)  # positions start.. are not paged yet
+    kept = [table.positions(0) for table in tables[:1]][0] if keep else np.zeros(0, np.int64)
+    order = np.concatenate([kept, order[~np.isin(order, kept)]])  # page 0 survives as the first group
+    cuts = [len(kept)] if keep else []
+    at = len(kept)
+    while at < len(order):
+        at += int(rng.integers(1, page_size + 1))
+        cuts.append(min(at, len(order)))
+    bounds = np.array([0, *cuts], np.int64)
+    one, many = tables
+    for g in range(len(bounds) - 1):
+        group = order[bounds[g] : bounds[g + 1]]
+        page = one.page_of(int(group[0]))
+        if page >= 0 and one.size(page) == len(group) and (one.page_of(group) == page).all():
+            continue
+        dst = one.new_page()
+        for pos in group.tolist():
+            if one.page_of(pos) >= 0:
+                one.move(pos, dst)
+            else:
+                one.append(dst, pos)
+    many.repage(order, bounds)
+    assert np.array_equal(one.members[: one.id_capacity], many.members[: many.id_capacity])
+    assert np.array_equal(one.sizes_[: one.id_capacity], many.sizes_[: many.id_capacity])
+    assert np.array_equal(one.page_of_, many.page_of_[: len(one.page_of_)]) and (many.page_of_[len(one.page_of_) :] == -1).all()
+    assert np.array_equal(one.slot_of_, many.slot_of_[: len(one.slot_of_)])
+    assert one._free == many._free and one.id_capacity == many.id_capacity and len(one) == len(many)
+    journal = many.take_journal()
+    assert one.take_moves() == [Move(*row) for row in journal_array(journal).tolist()]
+    many.check()
+
+
+def test_journal_array_keeps_the_order_of_single_and_bulk_moves():
+    """A journal mixing single moves (`append`) and bulk chunks (`split`, `new_pages`) reads the same through
+    `take_moves` and `journal_array(take_journal())`."""
+    tables = [PageTable(4, record_moves=True) for _ in range(2)]
+    for table in tables:
+        table.new_pages([[0, 1, 2]])
+        table.append(0, 3)
+        table.split(0)
+        table.append(1, 4)
+    moves, journal = tables[0].take_moves(), tables[1].take_journal()
+    assert any(isinstance(item, np.ndarray) for item in journal) and len(moves) == 7
+    assert journal_array(journal).tolist() == [list(m) for m in moves]
+    assert journal_array([]).shape == (0, 5)

@@ -13,7 +13,8 @@ Storage is a few numpy arrays, so compiled kernels can read the table directly::
     slot_of  [position_capacity]      int64
 
 Layout changes can be journalled as `Move` records, in the order they happened, so that a host store
-holding page-shaped K/V blocks can replay them (``record_moves=True``; drained with `take_moves`)::
+holding page-shaped K/V blocks can replay them (``record_moves=True``; drained with `take_moves`, or as one
+``[k, 5]`` int64 array per item with `take_journal` and `journal_array`: bulk changes are journalled as arrays)::
 
     Move(position, src_page, src_slot, dst_page, dst_slot)
     src_page == -1  ->  a new position (its K/V comes from the caller)
@@ -29,86 +30,9 @@ from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 import numpy as np
-from numba import njit
 
 from icecache.core.capacity import grown_capacity
-
-
-@njit(nogil=True, cache=True)
-def _budget_csr(members, sizes, num_ids, ids, budget):
-    """The budget rule and CSR positions in one pass (see `PageTable.take_within_budget`). Returns
-    ``(j, indptr [j + 1], positions [indptr[j]])``; ``j == -1`` when some id is not a live page."""
-    k = ids.shape[0]
-    indptr = np.zeros(k + 1, np.int64)
-    j = 0
-    total = 0
-    for i in range(k):
-        p = ids[i]
-        if p < 0 or p >= num_ids or sizes[p] < 0:
-            return -1, indptr, np.zeros(0, np.int64)
-        if total + sizes[p] > budget:
-            break
-        total += sizes[p]
-        j += 1
-        indptr[j] = total
-    pos = np.empty(total, np.int64)
-    o = 0
-    for i in range(j):
-        p = ids[i]
-        for sl in range(sizes[p]):
-            pos[o] = members[p, sl]
-            o += 1
-    return j, indptr[: j + 1].copy(), pos
-
-
-@njit(nogil=True, cache=True, inline="always")
-def _journal_row(journal, row, position, src_page, src_slot, dst_page, dst_slot) -> None:
-    journal[row, 0] = position
-    journal[row, 1] = src_page
-    journal[row, 2] = src_slot
-    journal[row, 3] = dst_page
-    journal[row, 4] = dst_slot
-
-
-@njit(nogil=True, cache=True)
-def _move_many(positions, dst, members, sizes, page_of, slot_of, page_size, journal, freed):
-    """`PageTable.move` of each of ``positions`` in order into page ``dst``, on the arrays. Writes the journal
-    rows ``(position, src_page, src_slot, dst_page, dst_slot)`` and the freed page ids in the order `move`
-    would; returns ``(rows, freed count, -1)``, or ``(rows, freed, i)`` when ``positions[i]`` is not paged or
-    ``dst`` is full (stopped there)."""
-    rows = 0
-    nfreed = 0
-    for i in range(positions.shape[0]):
-        pos = positions[i]
-        src = page_of[pos]
-        if src < 0:
-            return rows, nfreed, i
-        if src == dst:
-            continue
-        slot = sizes[dst]
-        if slot >= page_size:
-            return rows, nfreed, i
-        src_slot = slot_of[pos]
-        members[dst, slot] = pos
-        sizes[dst] = slot + 1
-        page_of[pos] = dst
-        slot_of[pos] = slot
-        _journal_row(journal, rows, pos, src, src_slot, dst, slot)
-        rows += 1
-        n = sizes[src] - 1  # close the hole: the source's last slot fills it
-        last = members[src, n]
-        members[src, n] = -1
-        sizes[src] = n
-        if src_slot < n:
-            members[src, src_slot] = last
-            slot_of[last] = src_slot
-            _journal_row(journal, rows, last, src, n, src, src_slot)
-            rows += 1
-        if n == 0:
-            sizes[src] = -1
-            freed[nfreed] = src
-            nfreed += 1
-    return rows, nfreed, -1
+from icecache.core.page_kernels import budget_csr, move_many_kernel, repage_kernel
 
 
 class Move(NamedTuple):
@@ -119,6 +43,26 @@ class Move(NamedTuple):
     src_slot: int
     dst_page: int
     dst_slot: int
+
+
+def journal_array(items: Sequence[Move | np.ndarray]) -> np.ndarray:
+    """The moves of a journal (`PageTable.take_journal` or `PageTable.take_moves`) as one ``[k, 5]`` int64 array
+    ``(position, src_page, src_slot, dst_page, dst_slot)`` in order."""
+    parts: list[np.ndarray] = []
+    single: list[Move] = []
+    for item in items:
+        if isinstance(item, np.ndarray):
+            if single:
+                parts.append(np.asarray(single, dtype=np.int64).reshape(-1, 5))
+                single = []
+            parts.append(item)
+        else:
+            single.append(item)
+    if single:
+        parts.append(np.asarray(single, dtype=np.int64).reshape(-1, 5))
+    if not parts:
+        return np.zeros((0, 5), np.int64)
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 class PageTable:
@@ -151,7 +95,7 @@ class PageTable:
         self._num_ids = 0  # ids 0.._num_ids-1 have been handed out at least once
         self._free: list[int] = []
         self._num_positions = 0
-        self._moves: list[Move] = []
+        self._moves: list[Move | np.ndarray] = []  # single moves, and [k, 5] int64 chunks of bulk changes
 
     @property
     def num_pages(self) -> int:
@@ -224,7 +168,7 @@ class PageTable:
         positions [indptr[-1]])`` (the `csr` of ``page_ids[:j]``). One compiled pass: this runs for every
         (layer, KV head) at every decode step."""
         ids = np.ascontiguousarray(page_ids, dtype=np.int64)
-        j, indptr, pos = _budget_csr(self.members, self.sizes_, self._num_ids, ids, int(budget))
+        j, indptr, pos = budget_csr(self.members, self.sizes_, self._num_ids, ids, int(budget))
         if j < 0:
             raise KeyError(f"not all of {ids.tolist()[:8]}... are live page ids")
         return int(j), indptr, pos
@@ -276,7 +220,7 @@ class PageTable:
         self.slot_of_[flat] = slots
         self._num_positions += len(flat)
         if self.record_moves:
-            self._moves.extend(Move(int(p), -1, -1, int(g), int(s)) for p, g, s in zip(flat, page_rep, slots))
+            self._moves.append(np.stack([flat, np.full_like(flat, -1), np.full_like(flat, -1), page_rep, slots], 1))
         return ids
 
     def append(self, page_id: int, position: int) -> int:
@@ -342,14 +286,43 @@ class PageTable:
             raise ValueError(f"positions {pos.tolist()[:8]}... are not all paged")
         journal = np.empty((2 * pos.size, 5), np.int64)
         freed = np.empty(pos.size, np.int64)
-        rows, nfreed, failed = _move_many(pos, int(dst_page), self.members, self.sizes_, self.page_of_, self.slot_of_,
+        rows, nfreed, failed = move_many_kernel(pos, int(dst_page), self.members, self.sizes_, self.page_of_, self.slot_of_,
                                           self.page_size, journal, freed)
         if self.record_moves:
-            self._moves.extend(Move(*row) for row in journal[:rows].tolist())
+            self._moves.append(journal[:rows])
         self._free.extend(freed[:nfreed].tolist())
         if failed >= 0:
             raise ValueError(f"position {int(pos[failed])} is not paged or page {dst_page} is full "
                              f"({self.page_size} positions)")
+
+    def repage(self, flat: np.ndarray, bounds: np.ndarray) -> None:
+        """Make each group ``flat[bounds[g]:bounds[g + 1]]`` (distinct positions, 1..page_size each) one page, in
+        group order: a group that is already exactly one page is kept; otherwise a `new_page` receives its
+        positions in order, by `move` (or `append` for an unpaged position). One compiled pass with the same
+        page ids, slots, journal and free list as those calls one by one (a rebuild re-pages every cluster)."""
+        flat = np.ascontiguousarray(flat, dtype=np.int64)
+        bounds = np.ascontiguousarray(bounds, dtype=np.int64)
+        if len(bounds) < 2:
+            return
+        if flat.min() < 0:
+            raise ValueError("positions are non-negative")
+        self._grow_positions(int(flat.max()) + 1)
+        groups = len(bounds) - 1
+        if self._num_ids + groups > len(self.sizes_):
+            self._grow_ids(self._num_ids + groups)
+        free = np.empty(len(self._free) + groups + len(flat), np.int64)  # pages freed on the way are pushed too
+        free[: len(self._free)] = self._free
+        journal = np.empty((2 * len(flat), 5), np.int64)
+        rows, num_free, num_ids, appended, failed = repage_kernel(
+            flat, bounds, self.members, self.sizes_, self.page_of_, self.slot_of_, self.page_size, free,
+            len(self._free), self._num_ids, journal)
+        self._free = free[:num_free].tolist()
+        self._num_ids = int(num_ids)
+        self._num_positions += int(appended)
+        if self.record_moves:
+            self._moves.append(journal[:rows])
+        if failed >= 0:
+            raise ValueError(f"group {int(failed)} holds more than {self.page_size} positions")
 
     def remove(self, position: int) -> None:
         """Take a position out of its page (the page's last slot fills the hole; an empty page is freed)."""
@@ -392,8 +365,20 @@ class PageTable:
 
     def take_moves(self) -> list[Move]:
         """Return the journal of layout changes since the last call and clear it."""
-        moves, self._moves = self._moves, []
+        items, self._moves = self._moves, []
+        moves: list[Move] = []
+        for item in items:
+            if isinstance(item, np.ndarray):
+                moves.extend(Move(*row) for row in item.tolist())
+            else:
+                moves.append(item)
         return moves
+
+    def take_journal(self) -> list[Move | np.ndarray]:
+        """`take_moves` without unpacking: single `Move` records and ``[k, 5]`` int64 arrays of moves (a bulk change:
+        split, merge, re-page), in order. `journal_array` makes one array of them."""
+        items, self._moves = self._moves, []
+        return items
 
     # ------------------------------------------------------------------ invariants
     def check(self) -> None:

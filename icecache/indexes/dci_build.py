@@ -9,6 +9,7 @@ else one descent per point with the construction config. A cluster is cut into p
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
 
 from icecache.indexes import _dci_kernels as kernels
 from icecache.indexes.dci_search import thread_scratch
@@ -164,30 +165,48 @@ def even_groups(tree: DCITree, seg: np.ndarray) -> list[np.ndarray]:
 
 
 def _bulk_pages(tree: DCITree) -> None:
-    assert tree.table is not None
-    groups: list[np.ndarray] = []
-    for cid in np.flatnonzero(tree.cluster_size[: tree.num_points + 1] > 0):
-        groups.extend(even_groups(tree, tree.cluster_run0(int(cid))))
-    if tree.table.num_positions == 0:
-        tree.table.new_pages(groups)
-    else:
-        _repage(tree, groups)
-
-
-def _repage(tree: DCITree, groups: list[np.ndarray]) -> None:
-    """Make the table hold exactly ``groups`` (pages that already match one are kept), by moves."""
+    """Page every cluster (`even_groups`, clusters in id order); on a rebuild (the table already holds the
+    points) the table is made to hold exactly these groups by moves (`PageTable.repage`: pages that already match
+    a group are kept)."""
     table = tree.table
     assert table is not None
-    for group in groups:
-        page = int(table.page_of_[group[0]])
-        if page >= 0 and int(table.sizes_[page]) == len(group) and bool((table.page_of_[group] == page).all()):
-            continue
-        new_page = table.new_page()
-        for pos in group:
-            if table.page_of_[pos] >= 0:
-                table.move(int(pos), new_page)
-            else:
-                table.append(new_page, int(pos))
+    cids = np.flatnonzero(tree.cluster_size[: tree.num_points + 1] > 0)
+    if tree.params.page_split == "projection":
+        flat, bounds = _projection_groups(tree.run_id, tree.cluster_start, tree.cluster_size, cids, table.page_size)
+    else:
+        groups = [g for cid in cids for g in even_groups(tree, tree.cluster_run0(int(cid)))]
+        flat = np.concatenate(groups) if groups else np.zeros(0, np.int64)
+        bounds = np.concatenate([[0], np.cumsum([len(g) for g in groups])]).astype(np.int64)
+    if table.num_positions == 0:
+        table.new_pages(np.split(flat, bounds[1:-1]) if len(flat) else [])
+    else:
+        table.repage(flat, bounds)
+
+
+@njit(nogil=True, cache=True)
+def _projection_groups(run_id, cluster_start, cluster_size, cids, page_size):
+    """`even_groups` of every cluster in ``cids`` with ``page_split="projection"``, concatenated: ``(flat ids
+    [n] int64, bounds [groups + 1] int64)``."""
+    total = 0
+    num_groups = 0
+    for c in cids:
+        total += cluster_size[c]
+        num_groups += (cluster_size[c] + page_size - 1) // page_size
+    flat = np.empty(total, np.int64)
+    bounds = np.empty(num_groups + 1, np.int64)
+    bounds[0] = 0
+    o = 0
+    g = 0
+    for c in cids:
+        start, size = cluster_start[c], cluster_size[c]
+        for i in range(size):
+            flat[o + i] = run_id[0, start + i]
+        k = (size + page_size - 1) // page_size
+        for i in range(1, k + 1):
+            bounds[g + i] = o + (i * size) // k
+        o += size
+        g += k
+    return flat, bounds
 
 
 __all__ = ["TWO_MEANS_ITERS", "build", "construct", "even_groups", "search_parents"]

@@ -132,7 +132,7 @@ def measure_store_sync(head_dim: int, dtype: Any, sizes: Sequence[int], page_siz
         k, v = torch.randn(n, head_dim, generator=g, dtype=dtype), torch.randn(n, head_dim, generator=g, dtype=dtype)
         pager = make_pager("sequential", head_dim=head_dim, page_size=page_size, seed=seed, record_moves=True)
         pager.build(k.float())
-        prepared[n] = (pager.table, pager.table.take_moves(), k, v)
+        prepared[n] = (pager.table, pager.table.take_journal(), k, v)
 
     def sync(n: int) -> Callable[[], None]:
         table, moves, k, v = prepared[n]

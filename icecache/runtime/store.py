@@ -17,7 +17,7 @@ import torch
 from numba import njit
 
 from icecache.core.capacity import grown_capacity
-from icecache.core.pages import Move, PageTable
+from icecache.core.pages import Move, PageTable, journal_array
 
 
 def raw_numpy(t: torch.Tensor) -> np.ndarray:
@@ -111,15 +111,19 @@ class HeadStore:
         self._num_blocks = 0  # blocks handed out at least once
 
     # ------------------------------------------------------------------ layout sync
-    def sync(self, moves: list[Move], new_k: torch.Tensor | None = None, new_v: torch.Tensor | None = None, first_new: int = 0) -> None:
-        """Replay ``moves`` (from ``table.take_moves()``). New positions ``first_new + i`` take their K/V from
+    def sync(self, moves: list[Move] | list[Move | np.ndarray] | np.ndarray, new_k: torch.Tensor | None = None,
+             new_v: torch.Tensor | None = None, first_new: int = 0) -> None:
+        """Replay ``moves`` (``table.take_journal()``, ``table.take_moves()`` or a `journal_array`). New positions ``first_new + i`` take their K/V from
         ``new_k[i]`` / ``new_v[i]`` (``[m, head_dim]``)."""
-        if not moves:
+        if not len(moves):
             return
-        if len(moves) <= 8 and all(m.src_page < 0 and m.dst_page >= 0 for m in moves):
+        if (len(moves) <= 8 and not isinstance(moves, np.ndarray)
+                and all(not isinstance(m, np.ndarray) and m.src_page < 0 and m.dst_page >= 0 for m in moves)):
             self._place_new(moves, new_k, new_v, first_new)  # the decode-time common case: appends only
             return
-        arr = np.asarray(moves, dtype=np.int64).reshape(-1, 5)
+        arr = moves if isinstance(moves, np.ndarray) else journal_array(moves)
+        if not len(arr):
+            return
         has_new = bool((arr[:, 1] < 0).any())
         if has_new:
             assert new_k is not None and new_v is not None, "new positions need their K/V"
