@@ -593,3 +593,49 @@ def test_merge_partner_is_the_reference_rule(lengths, page_size, which, offset, 
     fit = [o for o in neighbours if sizes[page] + sizes[o] <= page_size and min(sizes[page], sizes[o]) < page_size // 2]
     expected = min(fit, key=lambda o: sizes[o]) if fit else -1
     assert _merge_partner(run_id, offset, len(ids), page_of, sizes, page, page_size) == expected
+
+
+def _place_beside_one_by_one(tree, page: int, neighbour: int, point: int) -> None:
+    """The reference for `dci_update._place_beside`: the same edits through the page table's own methods."""
+    from icecache.indexes.dci_update import _merge_small_page, _split_page
+
+    table = tree.table
+    new_page = _split_page(tree, page)
+    holder = new_page if table.page_of_[neighbour] == new_page else page
+    table.append(holder, point)
+    _merge_small_page(tree, page)
+    _merge_small_page(tree, new_page)
+
+
+@FAST
+@given(seed=st.integers(0, 2**16), n0=st.integers(0, 300), n=st.integers(1, 600), P=st.sampled_from([2, 3, 4, 8, 16]),
+       scale=st.floats(0.5, 3.0), merges=st.sampled_from([0, 1, 32]))
+def test_compiled_place_beside_is_the_one_by_one_edit(seed, n0, n, P, scale, merges):
+    """A full page that a decode insert reaches is split, joined and merged in one compiled call
+    (`dci_update._place_beside`): the same page ids, slots, free list, journal rows (in order) and tree as the
+    page table's `split`, `append` and `move_many` one by one, through splits, merges, adoptions and rekeys
+    (also when the call runs out of merges and hands the rest to the Python loop)."""
+    from icecache.indexes import dci_update
+
+    x = keys(seed, n0 + n, 8, clusters=4)
+    x[n0:] *= torch.linspace(1.0, scale, n)[:, None]  # longer keys later: rekeys
+    pagers = [make_pager("mdci", head_dim=8, page_size=P, seed=seed, record_moves=True) for _ in range(2)]
+    journals: list[list] = [[], []]
+    for which, pager in enumerate(pagers):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(dci_update, "PLACE_MERGES", merges)
+            if which == 1:
+                patch.setattr(dci_update, "_place_beside", _place_beside_one_by_one)
+            pager.build(x[:n0])
+            for i in range(n0, n0 + n):
+                pager.insert(x[i : i + 1])
+                journals[which].extend(pager.table.take_moves())
+    ours, ref = pagers
+    assert journals[0] == journals[1]
+    for name in ("members", "sizes_", "page_of_", "slot_of_"):
+        np.testing.assert_array_equal(getattr(ours.table, name), getattr(ref.table, name))
+    assert ours.table._free == ref.table._free and ours.table.id_capacity == ref.table.id_capacity
+    assert len(ours.table) == len(ref.table)
+    for name in ("parent_of", "run_id", "cluster_size"):
+        np.testing.assert_array_equal(getattr(ours.index.tree, name), getattr(ref.index.tree, name))
+    assert_pages_ok(ours)

@@ -72,6 +72,34 @@ def _move_one(pos, src, dst, slot, members, sizes, page_of, slot_of, journal, ro
     return rows, nfreed
 
 
+@njit(nogil=True, cache=True, inline="always")
+def append_one(pos, dst, members, sizes, page_of, slot_of, journal, rows):
+    """`PageTable.append` of unpaged ``pos`` to page ``dst`` (which has room) on the arrays, with its journal row
+    at ``rows``. Returns the next journal row."""
+    slot = sizes[dst]
+    members[dst, slot] = pos
+    sizes[dst] = slot + 1
+    page_of[pos] = dst
+    slot_of[pos] = slot
+    _journal_row(journal, rows, pos, -1, -1, dst, slot)
+    return rows + 1
+
+
+@njit(nogil=True, cache=True, inline="always")
+def take_page_id(free, num_free, num_ids, sizes, members):
+    """`PageTable._take_id` on the arrays: pop the free list ``free[:num_free]``, else id ``num_ids`` (the arrays
+    have room); the page is opened empty. Returns ``(page, num_free, num_ids)``."""
+    if num_free > 0:
+        num_free -= 1
+        page = free[num_free]
+    else:
+        page = num_ids
+        num_ids += 1
+    sizes[page] = 0
+    members[page, :] = -1
+    return page, num_free, num_ids
+
+
 @njit(nogil=True, cache=True)
 def move_many_kernel(positions, dst, members, sizes, page_of, slot_of, page_size, journal, freed):
     """`PageTable.move` of each of ``positions`` in order into page ``dst``, on the arrays. Writes the journal
@@ -116,14 +144,7 @@ def repage_kernel(flat, bounds, members, sizes, page_of, slot_of, page_size, fre
                     break
             if same:
                 continue
-        if num_free > 0:
-            num_free -= 1
-            dst = free[num_free]
-        else:
-            dst = num_ids
-            num_ids += 1
-        sizes[dst] = 0
-        members[dst, :] = -1
+        dst, num_free, num_ids = take_page_id(free, num_free, num_ids, sizes, members)
         for i in range(lo, hi):
             pos = flat[i]
             src = page_of[pos]
@@ -134,14 +155,9 @@ def repage_kernel(flat, bounds, members, sizes, page_of, slot_of, page_size, fre
                 rows, num_free = _move_one(pos, src, dst, slot, members, sizes, page_of, slot_of, journal, rows, free,
                                            num_free)
                 continue
-            members[dst, slot] = pos
-            sizes[dst] = slot + 1
-            page_of[pos] = dst
-            slot_of[pos] = slot
-            _journal_row(journal, rows, pos, -1, -1, dst, slot)
-            rows += 1
+            rows = append_one(pos, dst, members, sizes, page_of, slot_of, journal, rows)
             appended += 1
     return rows, num_free, num_ids, appended, -1
 
 
-__all__ = ["budget_csr", "move_many_kernel", "repage_kernel"]
+__all__ = ["append_one", "budget_csr", "move_many_kernel", "repage_kernel", "take_page_id"]

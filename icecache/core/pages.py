@@ -308,21 +308,34 @@ class PageTable:
             raise ValueError("positions are non-negative")
         self._grow_positions(int(flat.max()) + 1)
         groups = len(bounds) - 1
-        if self._num_ids + groups > len(self.sizes_):
-            self._grow_ids(self._num_ids + groups)
-        free = np.empty(len(self._free) + groups + len(flat), np.int64)  # pages freed on the way are pushed too
-        free[: len(self._free)] = self._free
+        free, num_free, num_ids = self.begin_edit(groups, groups + len(flat))  # pages freed on the way are pushed too
         journal = np.empty((2 * len(flat), 5), np.int64)
         rows, num_free, num_ids, appended, failed = repage_kernel(
             flat, bounds, self.members, self.sizes_, self.page_of_, self.slot_of_, self.page_size, free,
-            len(self._free), self._num_ids, journal)
+            num_free, num_ids, journal)
+        self.end_edit(free, num_free, num_ids, journal[:rows], appended)
+        if failed >= 0:
+            raise ValueError(f"group {int(failed)} holds more than {self.page_size} positions")
+
+    def begin_edit(self, new_ids: int, frees: int) -> tuple[np.ndarray, int, int]:
+        """Prepare a compiled edit of the arrays (``members``, ``sizes_``, ``page_of_``, ``slot_of_``) that opens at
+        most ``new_ids`` pages and frees at most ``frees``: room for the new ids, and the free list as an array with
+        room for the frees (new pages pop its top, freed ones are pushed, as `new_page` and `move` do). Returns
+        ``(free, num_free, num_ids)``; hand the kernel's results to `end_edit`."""
+        if self._num_ids + new_ids > len(self.sizes_):
+            self._grow_ids(self._num_ids + new_ids)
+        free = np.empty(len(self._free) + frees, np.int64)
+        free[: len(self._free)] = self._free
+        return free, len(self._free), self._num_ids
+
+    def end_edit(self, free: np.ndarray, num_free: int, num_ids: int, journal: np.ndarray, appended: int) -> None:
+        """Take back what a compiled edit left (see `begin_edit`): the free list ``free[:num_free]``, the id count,
+        the positions it appended, and its journal rows ``[k, 5]`` (in the order the one-by-one methods write them)."""
         self._free = free[:num_free].tolist()
         self._num_ids = int(num_ids)
         self._num_positions += int(appended)
-        if self.record_moves:
-            self._moves.append(journal[:rows])
-        if failed >= 0:
-            raise ValueError(f"group {int(failed)} holds more than {self.page_size} positions")
+        if self.record_moves and len(journal):
+            self._moves.append(journal)
 
     def remove(self, position: int) -> None:
         """Take a position out of its page (the page's last slot fills the hole; an empty page is freed)."""

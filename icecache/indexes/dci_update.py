@@ -9,7 +9,9 @@ than ``sqrt(msq)`` first triggers a *rekey* (``msq`` grows, the whole tree is re
 Pages (when the tree has a table): a new token joins the page of its run-0 neighbour (``"projection"``) or the
 page of its cluster with the nearest centroid (``"2means"``); a full page is split first; adopted points move into
 fresh pages of their new cluster; with ``"projection"``, small pages then merge with a run-0 neighbour
-(`_merge_small_page`). All page changes go through `PageTable` methods, so its move journal is complete.
+(`_merge_small_page`). All page changes go through `PageTable` methods, so its move journal is complete; the
+split, join and merges of a full ``"projection"`` page (`_place_beside`) run as one compiled call that makes the
+same edits and journal rows on the table's arrays (`PageTable.begin_edit` / `end_edit`).
 
 The common decode insert (a level-0 MIPS token, no rekey, parent by brute force, ``"projection"`` pages) runs as
 one compiled call (`_insert_leaf`) that makes the same edits, recording its page append with
@@ -21,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from icecache.core.page_kernels import _move_one, append_one, take_page_id
 from icecache.indexes import _dci_kernels as kernels
 from icecache.indexes.dci_build import (
     TWO_MEANS_ITERS,
@@ -239,17 +242,82 @@ def _cluster_add(tree: DCITree, cid: int, point: int) -> None:
     _place_beside(tree, page, neighbour, point)
 
 
+#: merges one compiled `_place_beside` makes at most before it hands the rest to `_merge_small_page`
+PLACE_MERGES = 32
+
+
 def _place_beside(tree: DCITree, page: int, neighbour: int, point: int) -> None:
     """Page ``point`` (already in its cluster's runs) beside its run-0 ``neighbour``, whose ``page`` is full:
-    split the page, join the half that holds the neighbour, then merge small pages."""
+    split the page (the upper half of its projection order moves to a new page), join the half that holds the
+    neighbour, then merge small pages (`_merge_small_page`: a half may now fit together with a small run-0
+    neighbour, one left behind by an adoption). ``"projection"`` pages only. One compiled call
+    (`_place_beside_kernel`) with the same page ids, slots, free list and journal as `PageTable.split`,
+    `PageTable.append` and the merges' `PageTable.move_many` one after another (a decode insert fills a page
+    every ``P / 2`` tokens or so)."""
     table = tree.table
-    assert table is not None
-    new_page = _split_page(tree, page)
-    holder = new_page if table.page_of_[neighbour] == new_page else page
-    table.append(holder, point)
-    # a half may now fit together with a small run-0 neighbour (one left behind by an adoption)
-    _merge_small_page(tree, page)
-    _merge_small_page(tree, new_page)
+    assert table is not None and tree.params.page_split == "projection"
+    page_size = table.page_size
+    table.reserve_positions(point + 1)
+    free, num_free, num_ids = table.begin_edit(1, PLACE_MERGES + 1)
+    journal = np.empty((2 * page_size * (PLACE_MERGES + 2), 5), np.int64)
+    rows, num_free, num_ids, new_page, stage, cursor = _place_beside_kernel(
+        page, neighbour, point, tree.proj, tree.parent_of, tree.cluster_start, tree.cluster_size, tree.run_id,
+        table.members, table.sizes_, table.page_of_, table.slot_of_, page_size, free, num_free, num_ids, journal,
+        PLACE_MERGES)
+    table.end_edit(free, num_free, num_ids, journal[:rows], 1)
+    if stage == 0:  # out of room for more merges (never seen): the Python loop finishes them, from where it stopped
+        _merge_small_page(tree, int(cursor))
+        _merge_small_page(tree, int(new_page))
+    elif stage == 1:
+        _merge_small_page(tree, int(cursor))
+
+
+@njit(nogil=True, cache=True)
+def _place_beside_kernel(page, neighbour, point, proj, parent_of, cl_start, cl_size, run_id, members, sizes, page_of,
+                         slot_of, page_size, free, num_free, num_ids, journal, max_merges):
+    """`_place_beside` on the arrays. ``free[:num_free]`` is the free list (room for the pages the merges free),
+    ``num_ids`` the ids handed out (room for one more), ``journal`` has room for the split, the append and
+    ``max_merges`` merges. Returns ``(rows, num_free, num_ids, new_page, stage, cursor)``: ``stage`` 2 when done,
+    else the merge (0: of ``page``'s side, 1: of ``new_page``'s) that stopped for room at page ``cursor``."""
+    # ---- split: the upper half of the page in (projection 0, id) order moves to a new page
+    size = sizes[page]
+    ids = members[page, :size].copy()
+    for i in range(1, size):  # insertion sort by (proj[:, 0], id): a page holds few ids
+        x = ids[i]
+        key = proj[x, 0]
+        j = i - 1
+        while j >= 0 and (proj[ids[j], 0] > key or (proj[ids[j], 0] == key and ids[j] > x)):
+            ids[j + 1] = ids[j]
+            j -= 1
+        ids[j + 1] = x
+    moving_slots = np.sort(slot_of[ids[size // 2:]])
+    moving = members[page, moving_slots]
+    new_page, num_free, num_ids = take_page_id(free, num_free, num_ids, sizes, members)
+    rows = 0
+    for i in range(moving.shape[0] - 1, -1, -1):  # highest slot first, as `PageTable.split`
+        rows, num_free = _move_one(moving[i], page, new_page, sizes[new_page], members, sizes, page_of, slot_of,
+                                   journal, rows, free, num_free)
+    # ---- the point joins the half that holds its neighbour
+    holder = new_page if page_of[neighbour] == new_page else page
+    rows = append_one(point, holder, members, sizes, page_of, slot_of, journal, rows)
+    # ---- `_merge_small_page` of each half
+    merges = 0
+    for stage in range(2):
+        cursor = page if stage == 0 else new_page
+        while 0 <= cursor < sizes.shape[0] and sizes[cursor] > 0:
+            cid = parent_of[members[cursor, 0]] + 1
+            other = _merge_partner(run_id, cl_start[cid], cl_size[cid], page_of, sizes, cursor, page_size)
+            if other < 0:
+                break
+            if merges == max_merges:
+                return rows, num_free, num_ids, new_page, stage, cursor
+            merges += 1
+            src, dst = (cursor, other) if sizes[cursor] <= sizes[other] else (other, cursor)
+            for i in range(sizes[src] - 1, -1, -1):  # the source's positions, last slot first
+                rows, num_free = _move_one(members[src, i], src, dst, sizes[dst], members, sizes, page_of, slot_of,
+                                           journal, rows, free, num_free)
+            cursor = dst
+    return rows, num_free, num_ids, new_page, 2, -1
 
 
 def _split_page(tree: DCITree, page: int) -> int:
