@@ -202,3 +202,28 @@ def test_index_params_tune_only_the_methods_of_that_pager():
         else:
             assert not hasattr(pager, "params")
         cache.close()
+
+
+def test_method_variants_change_only_their_settings():
+    """``name[key=value;...]``: config fields and pager parameters for that row; one-line errors otherwise."""
+    from icecache.core.config import split_items
+    from icecache.core.errors import ConfigError
+
+    cfg = IceCacheConfig(index="mdci", index_params={"preset": "icecache"})
+    ice = get_method("icecache[page_size=4;field_of_view=200]")
+    ice.check(cfg)
+    got = ice.configure(cfg)
+    assert (got.index, got.index_params, got.page_size) == ("mdci", {"preset": "icecache", "field_of_view": 200}, 4)
+    assert get_method("quest[page_size=4]").configure(cfg).page_size == 4
+    assert get_method("icecache:ivf[nprobe=3]").configure(cfg).index_params == {"nprobe": 3}  # not mdci's preset
+    assert get_method("full[window=8]").uses_budget is False
+    assert split_items("full, icecache[page_size=4,field_of_view=200],quest") == [
+        "full", "icecache[page_size=4,field_of_view=200]", "quest"]
+    for name, message in [("quest[field_of_view=3]", "no parameter 'field_of_view'"),
+                          ("full[field_of_view=3]", "runs no pager"), ("icecache[budget=3]", "cannot set budget"),
+                          ("icecache[index=exact]", "cannot set index"), ("icecache[]", "empty brackets"),
+                          ("icecache[page_size=0]", "page_size must be in"), ("icecache[page_size]", "key=value")]:
+        with pytest.raises(ConfigError, match=message):
+            get_method(name).check(cfg)
+    with pytest.raises(ValueError, match="unknown method"):
+        get_method("magic[page_size=4]")

@@ -82,6 +82,23 @@ def test_auto_records_the_select_it_chose(tmp_path, model):
     assert all("auto_choice" not in r for r in plain)
 
 
+def test_a_variant_row_is_the_run_with_those_settings(tmp_path, model):
+    """``icecache[page_size=4;field_of_view=6]`` and ``quest[page_size=4]`` rows, answered beside the plain rows
+    from the same prefill, give token for token what a run whose config has those settings gives."""
+    tok = CharTokenizer()
+    mixed = run_ruler(model, tok, _spec(tasks=["niah_single_1"], methods=["icecache", "icecache[page_size=4;field_of_view=6]",
+                                                                       "quest[page_size=4]"]), tmp_path / "a", progress=False)
+    cfg = IceCacheConfig(budget=32, page_size=4, sink=4, window=32, dense_layers=(0,), threads=1,
+                         index_params={"field_of_view": 6})
+    alone = run_ruler(model, tok, _spec(tasks=["niah_single_1"], methods=["icecache", "quest"], config=cfg), tmp_path / "b",
+                      progress=False)
+    got = {r["method"]: r["prediction"] for r in mixed}
+    want = {r["method"]: r["prediction"] for r in alone}
+    assert got["icecache[page_size=4;field_of_view=6]"] == want["icecache"]
+    assert got["quest[page_size=4]"] == want["quest"]
+    assert len({r["prefill_seconds"] for r in mixed}) == 1  # one prefill for the three rows
+
+
 def test_resumed_run_equals_one_shot_run(tmp_path, model):
     tok = CharTokenizer()
     one_shot = run_ruler(model, tok, _spec(tasks=["niah_single_1"]), tmp_path / "a", progress=False)

@@ -155,6 +155,14 @@ class IceCacheConfig:
         return dataclasses.asdict(self)
 
 
+def split_items(text: str | None) -> list[str]:
+    """Comma-separated items of a command-line list, stripped; commas inside ``[...]`` belong to the item
+    (``"full,icecache[page_size=4,field_of_view=200]"`` -> two items)."""
+    import re
+
+    return [x.strip() for x in re.split(r",(?![^\[]*\])", text or "") if x.strip()]
+
+
 def parse_params(text: str | None) -> dict[str, Any]:
     """``"field_of_view=120,page_score=mass"`` -> ``{"field_of_view": 120, "page_score": "mass"}``: pager
     parameters as written on a command line. Values are read as JSON numbers/booleans/null where they parse

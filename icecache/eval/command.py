@@ -14,6 +14,7 @@ import sys
 import time
 from typing import Any
 
+from icecache.core.config import split_items
 from icecache.core.errors import ConfigError
 
 TASKS = ("passkey", "needle", "ppl", "longgen", "ruler")
@@ -52,7 +53,8 @@ def positive_int(text: str) -> int:
 def add_eval_arguments(ev: argparse.ArgumentParser) -> None:
     ev.add_argument("task", choices=TASKS)
     ev.add_argument("--methods", default="full,icecache,quest",
-                    help="comma-separated: full, exact, icecache, icecache-r, quest, streaming, snapkv, pqcache, icecache:<pager>")
+                    help="comma-separated: full, exact, icecache, icecache-r, quest, streaming, snapkv, pqcache, icecache:<pager>, "
+                         "or a variant with its own settings, e.g. icecache[page_size=4;field_of_view=200] or quest[page_size=4]")
     ev.add_argument("--budgets", default="64,128,256", help="comma-separated budgets (default 64,128,256)")
     ev.add_argument("--lengths", default=None,
                     help="comma-separated lengths, e.g. 2k,4k,8k (default 2k,4k; k = 1000 tokens, ruler: 1024 and default 4k)")
@@ -86,7 +88,7 @@ def check_eval_flags(args: argparse.Namespace, given_ice: list[str]) -> None:
     for dest, (flag, tasks, unset) in TASK_FLAGS.items():
         if getattr(args, dest) != unset and args.task not in tasks:
             raise ConfigError(f"{flag} applies to eval {'/'.join(tasks)}, not to eval {args.task}")
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    methods = split_items(args.methods)
     pager_flags = [f for f in given_ice if f in ("--index", "--index-params")]
     if pager_flags and not any(m in CONFIGURED_PAGER_METHODS for m in methods):
         raise ConfigError(f"{' and '.join(pager_flags)} {'tune' if len(pager_flags) > 1 else 'tunes'} the methods {', '.join(CONFIGURED_PAGER_METHODS)}; "

@@ -14,11 +14,18 @@
 
 Every method except ``full`` runs through `IceCache`, so the device holds the same sink + window + budget
 slots; they differ only in which middle tokens fill the budget slots.
+
+A *variant* changes a method's settings for its rows only: ``name[key=value;...]``, e.g.
+``icecache[page_size=4;field_of_view=200]`` or ``quest[page_size=4]``. Keys are `IceCacheConfig` fields (not
+``budget`` or ``index``) or parameters of the method's pager (merged into ``index_params``), so one run can
+compare configurations side by side from one prefill per sample.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,8 +33,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from icecache.core.config import IceCacheConfig
-from icecache.core.errors import UnknownNameError
+from icecache.core.config import IceCacheConfig, parse_params
+from icecache.core.errors import ConfigError, UnknownNameError
 from icecache.core.pager import SemanticPager
 from icecache.eval.harness import Prefill, growing_kv
 from icecache.indexes.registry import available_pagers
@@ -88,14 +95,19 @@ def snapkv_scores(prefill: Prefill, layer_idx: int, kv_head: int, n_rep: int, ke
 
 @dataclass(frozen=True)
 class Method:
-    """A named way of filling the budget slots."""
+    """A named way of filling the budget slots. ``pager(config)`` names the pager it runs under ``config``
+    (None: no pager takes parameters, e.g. ``full``)."""
 
     name: str
     make: Callable[[Any, Prefill, IceCacheConfig], Any]
     uses_budget: bool = True
+    pager: Callable[[IceCacheConfig], str | None] = lambda cfg: None
 
     def cache(self, model: Any, prefill: Prefill, config: IceCacheConfig) -> Any:
         return self.make(model, prefill, config)
+
+    def check(self, config: IceCacheConfig) -> None:
+        """Raise `ConfigError` (one line) when this method cannot run under ``config`` (a variant's settings)."""
 
 
 def for_pager(cfg: IceCacheConfig, index: str, **changes: Any) -> IceCacheConfig:
@@ -145,27 +157,108 @@ def _snapkv(model: Any, prefill: Prefill, cfg: IceCacheConfig) -> IceCache:
     return IceCache.from_dense(prefill.kv, for_pager(cfg, "exact", top_p=None), model_config=model.config, pager_factory=factory)
 
 
+def _own(cfg: IceCacheConfig) -> str:
+    return cfg.index
+
+
+def _fixed(pager: str) -> Callable[[IceCacheConfig], str]:
+    return lambda cfg: pager
+
+
+#: `IceCacheConfig` fields a variant may not set: the run's budgets and the method's pager decide them
+VARIANT_LOCKED = ("budget", "index", "index_params")
+
+
+@dataclass(frozen=True)
+class VariantMethod(Method):
+    """``base[key=value;...]``: ``base``'s method with some settings changed (see the module docstring)."""
+
+    base: Method | None = None
+    fields: dict[str, Any] = dataclasses.field(default_factory=dict)
+    params: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def configure(self, config: IceCacheConfig) -> IceCacheConfig:
+        """``config`` with this variant's fields and pager parameters (on top of the config's own parameters when
+        the method runs the config's pager; alone otherwise)."""
+        assert self.base is not None
+        cfg = config.replace(**self.fields)
+        if self.params:
+            pager = self.base.pager(cfg)
+            own = cfg.index_params if pager == cfg.index else {}
+            cfg = cfg.replace(index=pager, index_params={**own, **self.params})
+        return cfg
+
+    def check(self, config: IceCacheConfig) -> None:
+        assert self.base is not None
+        if self.params and self.base.pager(config) is None:
+            raise ConfigError(f"method {self.name!r}: {self.base.name} runs no pager, so it takes no pager parameters "
+                              f"({', '.join(self.params)})")
+        try:
+            cfg = self.configure(config)  # IceCacheConfig validates the fields
+        except ConfigError as err:
+            raise ConfigError(f"method {self.name!r}: {err}") from None
+        if self.params:
+            from icecache.indexes.auto import check_index
+
+            try:
+                check_index(cfg.index, cfg.index_params, head_dim=8, page_size=cfg.page_size, seed=cfg.seed)
+            except ConfigError as err:
+                raise ConfigError(f"method {self.name!r}: {err}") from None
+
+
+def _variant(name: str, base: Method, settings: dict[str, Any]) -> VariantMethod:
+    config_fields = {f.name for f in dataclasses.fields(IceCacheConfig)}
+    locked = [k for k in settings if k in VARIANT_LOCKED]
+    if locked:
+        raise ConfigError(f"method {name!r}: a variant cannot set {', '.join(locked)} (budgets come from --budgets, "
+                          "the pager from the method: use icecache:<pager>[...])")
+    fields = {k: v for k, v in settings.items() if k in config_fields}
+    if "dense_layers" in fields and isinstance(fields["dense_layers"], list):
+        fields["dense_layers"] = tuple(fields["dense_layers"])
+    params = {k: v for k, v in settings.items() if k not in config_fields}
+
+    def make(model: Any, prefill: Prefill, cfg: IceCacheConfig) -> Any:
+        return base.make(model, prefill, variant.configure(cfg))
+
+    def pager(cfg: IceCacheConfig) -> str | None:
+        return base.pager(cfg.replace(**fields))
+
+    variant = VariantMethod(name, make, base.uses_budget, pager, base=base, fields=fields, params=params)
+    return variant
+
+
 def get_method(name: str) -> Method:
     """``full``, ``exact``, ``icecache``, ``icecache-r``, ``quest``, ``streaming``, ``snapkv``, ``pqcache``,
-    or ``icecache:<pager>`` for any registered pager."""
+    ``icecache:<pager>`` for any registered pager, or a variant of one of them, ``name[key=value;...]``."""
     fixed: dict[str, Method] = {
         "full": Method("full", _full, uses_budget=False),
-        "exact": Method("exact", _ice("exact")),
-        "icecache": Method("icecache", _ice(None)),
-        "icecache-r": Method("icecache-r", _ice_reuse),
-        "quest": Method("quest", _ice("sequential")),
+        "exact": Method("exact", _ice("exact"), pager=_fixed("exact")),
+        "icecache": Method("icecache", _ice(None), pager=_own),
+        "icecache-r": Method("icecache-r", _ice_reuse, pager=_own),
+        "quest": Method("quest", _ice("sequential"), pager=_fixed("sequential")),
         "streaming": Method("streaming", _streaming),
         "snapkv": Method("snapkv", _snapkv),
-        "pqcache": Method("pqcache", _ice("pq")),
+        "pqcache": Method("pqcache", _ice("pq"), pager=_fixed("pq")),
     }
+    variant = re.fullmatch(r"([^\[\]]+)\[(.*)\]", name)
+    if variant is not None:
+        base = get_method(variant.group(1))
+        try:
+            settings = parse_params(variant.group(2).replace(";", ","))
+        except ConfigError as err:
+            raise ConfigError(f"method {name!r}: {err}") from None
+        if not settings:
+            raise ConfigError(f"method {name!r}: empty brackets; write {variant.group(1)} or {variant.group(1)}[key=value;...]")
+        return _variant(name, base, settings)
     if name in fixed:
         return fixed[name]
     if name.startswith("icecache:"):
         pager = name.split(":", 1)[1]
         if pager not in available_pagers():
             raise UnknownNameError(f"unknown pager {pager!r} in method {name!r}; known pagers: {available_pagers()}")
-        return Method(name, _ice(pager))
-    raise UnknownNameError(f"unknown method {name!r}; known: {sorted(fixed)} or icecache:<pager>")
+        return Method(name, _ice(pager), pager=_fixed(pager))
+    raise UnknownNameError(f"unknown method {name!r}; known: {sorted(fixed)}, icecache:<pager>, or a variant "
+                           "name[key=value;...]")
 
 
 METHOD_NAMES = ("full", "exact", "icecache", "icecache-r", "quest", "streaming", "snapkv", "pqcache")

@@ -47,7 +47,7 @@ class EvalSpec:
         if self.task not in TASKS:
             raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
         for m in self.methods:
-            get_method(m)  # raises on unknown names
+            get_method(m).check(self.config)  # raises on unknown names and bad variant settings
         if not self.methods or not self.lengths:
             raise ValueError("methods and lengths must not be empty")
         if any(b < 0 for b in self.budgets) or any(n < 1 for n in self.lengths) or self.samples < 1:

@@ -39,7 +39,9 @@ def parse_ruler_length(text: str) -> int:
 
 
 def _split(text: str) -> list[str]:
-    return [x.strip() for x in text.split(",") if x.strip()]
+    from icecache.core.config import split_items
+
+    return split_items(text)
 
 
 def spec_from_args(args: argparse.Namespace, config: Any) -> Any:
@@ -54,7 +56,7 @@ def spec_from_args(args: argparse.Namespace, config: Any) -> Any:
         raise ConfigError(f"--tasks: unknown {unknown or tasks}; known: all or {', '.join(TASKS)}")
     methods = _split(args.methods)
     for m in methods:
-        get_method(m)
+        get_method(m).check(config)
     presses = _split(args.kvpress or "")
     for press in presses:
         check_press(press)
