@@ -5,7 +5,9 @@
         --out experiments/bench_runtime/insert_path_ab
 
 Each measurement is a fresh process started in a checkout with ``PYTHONPATH`` set to it (this file is read from
-the checkout that runs the A/B). Six heads of clustered Gaussian keys (64 clusters, d = 64, page 16) are built
+the checkout that runs the A/B). A checkout whose `HeadStore` has `insert_token` (the runtime's decode insert,
+in which a pager may write the store itself) is timed through it, as one total (its insert column holds the total,
+its sync column 0). Six heads of clustered Gaussian keys (64 clusters, d = 64, page 16) are built
 with 2,000 keys each, then 1,500 tokens are inserted into each head one at a time, heads interleaved as in a
 decode step; the first 100 are warm-up. One torch thread. Sides alternate (a, b) per pager, rounds outermost.
 """
@@ -51,13 +53,18 @@ def child(pager_name: str) -> dict[str, float]:
         stores.append(store)
     new = keys(HEADS * INSERTED)
     insert_s = sync_s = 0.0
+    whole = hasattr(HeadStore, "insert_token")  # the runtime's own call (a pager may write the store itself)
     for i in range(INSERTED):
         for h in range(HEADS):
             key = new[h * INSERTED + i][None]
             t0 = time.perf_counter()
-            pagers[h].insert(key, check=False)
-            t1 = time.perf_counter()
-            stores[h].sync(pagers[h].table.take_moves(), key, key, first_new=len(pagers[h]) - 1)
+            if whole:
+                stores[h].insert_token(pagers[h], key, key, key, len(pagers[h]))
+                t1 = time.perf_counter()
+            else:
+                pagers[h].insert(key, check=False)
+                t1 = time.perf_counter()
+                stores[h].sync(pagers[h].table.take_moves(), key, key, first_new=len(pagers[h]) - 1)
             t2 = time.perf_counter()
             if i >= WARMUP:
                 insert_s += t1 - t0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from icecache.indexes import available_pagers, make_pager
@@ -114,3 +114,52 @@ def test_one_token_inserts_keep_every_position_in_any_dtype(name, dtype, n0, ins
         store.sync(pager.table.take_moves(), keys[i : i + 1].to(dtype), values[i : i + 1], first_new=i)
     k, v = store.read(np.arange(n0 + inserts))
     assert k.dtype == dtype and torch.equal(k, keys.to(dtype)) and torch.equal(v, values.to(dtype))
+
+
+@settings(max_examples=10, deadline=None)
+@given(n0=st.integers(0, 400), inserts=st.integers(1, 300), page_size=st.sampled_from([1, 2, 4, 8, 16]),
+       seed=st.integers(0, 2**16), growth=st.floats(1.0, 2.5))
+@example(n0=400, inserts=300, page_size=16, seed=1, growth=1.0)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", PAGERS)
+def test_inserts_that_write_the_store_equal_insert_and_replay(name, dtype, n0, inserts, page_size, seed, growth):
+    """`SemanticPager.insert_one_stored` (the runtime's decode insert; M-DCI writes the common append's K/V into
+    the store itself and journals nothing) leaves the same tree, pages and store contents as `insert` + `sync`,
+    through page splits, adoptions, new levels and rekeys (keys that grow longer)."""
+    rng = np.random.default_rng(seed)
+    keys = torch.from_numpy(rng.standard_normal((n0 + inserts, 8), dtype=np.float32))
+    keys[n0:] *= torch.linspace(1.0, growth, inserts)[:, None]
+    values = torch.from_numpy(rng.standard_normal((n0 + inserts, 8), dtype=np.float32))
+    pairs = []
+    for _ in range(2):
+        pager = make_pager(name, head_dim=8, page_size=page_size, seed=seed, record_moves=True)
+        pager.build(keys[:n0])
+        store = HeadStore(pager.table, 8, dtype)
+        store.sync(pager.table.take_moves(), keys[:n0], values[:n0], first_new=0)
+        pairs.append((pager, store))
+    (ref, ref_store), (ours, our_store) = pairs
+    stored = 0
+    for i in range(n0, n0 + inserts):
+        k, v = keys[i : i + 1].to(dtype), values[i : i + 1].to(dtype)
+        ref.insert(keys[i : i + 1])
+        ref_store.sync(ref.table.take_journal(), k, v, first_new=i)
+        if ours.insert_one_stored(keys[i].numpy(), our_store.raw_rows(), our_store.block_of, our_store.raw_new(k)[0],
+                                  our_store.raw_new(v)[0]):
+            stored += 1
+            assert ours.table.journal_is_empty()
+        else:
+            our_store.sync(ours.table.take_journal(), k, v, first_new=i)
+    for name_ in ("members", "sizes_", "page_of_", "slot_of_"):
+        np.testing.assert_array_equal(getattr(ours.table, name_), getattr(ref.table, name_))
+    assert len(ours) == len(ref) == len(ours.table) == n0 + inserts
+    if name == "mdci":
+        for name_ in ("parent_of", "level_of", "num_descendants", "run_id", "cluster_size"):
+            np.testing.assert_array_equal(getattr(ours.index.tree, name_), getattr(ref.index.tree, name_))
+        assert ours.index.tree.num_rekeys == ref.index.tree.num_rekeys
+        if page_size == 16 and n0 >= 300 and inserts >= 100 and growth == 1.0:  # the decode's common case
+            assert stored > inserts // 2
+    else:
+        assert stored == 0
+    k, v = our_store.read(np.arange(n0 + inserts))
+    assert torch.equal(k, keys.to(dtype)) and torch.equal(v, values.to(dtype))
+    np.testing.assert_array_equal(our_store.block_of[: ref.table.id_capacity], ref_store.block_of[: ref.table.id_capacity])

@@ -147,6 +147,9 @@ class SemanticPager(ABC):
     name: ClassVar[str] = ""
     #: True when pages group tokens by key similarity rather than by position
     semantic: ClassVar[bool] = True
+    #: True when `insert_one_stored` can write a host store's rows itself (the runtime then calls it instead of
+    #: `insert` + the store's journal replay)
+    stores_inserts: ClassVar[bool] = False
 
     def __init__(self, head_dim: int, page_size: int = 16, seed: int = 0, *, record_moves: bool = False) -> None:
         for field, value, lo in (("head_dim", head_dim, 1), ("page_size", page_size, 1), ("seed", seed, 0)):
@@ -179,6 +182,17 @@ class SemanticPager(ABC):
             return
         self._insert(k, self._n)
         self._n += k.shape[0]
+
+    def insert_one_stored(self, key: np.ndarray, rows: np.ndarray, block_of: np.ndarray, new_k: np.ndarray,
+                          new_v: np.ndarray) -> bool:
+        """Insert one decode key ``key`` ``[d]`` (finite, C-contiguous float32; unchecked, as `insert` with
+        ``check=False``). A pager that `stores_inserts` may also place the token's ``new_k`` / ``new_v``
+        (``[head_dim]``, in the store's raw dtype) into a host store's ``rows`` ``[R, 2, head_dim]`` (``block_of``:
+        page id -> block of ``page_size`` rows) when its only page change is an append to a page with a block;
+        it then journals nothing and returns True. False: the journal holds the insert's page changes for the
+        store to replay (always, here)."""
+        self.insert(torch.from_numpy(key[None]), check=False)
+        return False
 
     def select(self, queries: ArrayLike, budget: int, *, check: bool = True) -> PageSelection:
         """Rank pages for the GQA group's ``queries`` ``[g, d]`` (or ``[d]``) and take whole pages, in rank

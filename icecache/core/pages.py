@@ -247,12 +247,17 @@ class PageTable:
         """Room for positions ``0 .. n-1`` in ``page_of_`` / ``slot_of_`` (a compiled insert writes them)."""
         self._grow_positions(n)
 
-    def record_append(self, position: int, page_id: int, slot: int) -> None:
+    def record_append(self, position: int, page_id: int, slot: int, *, journal: bool = True) -> None:
         """Account for an `append` that a compiled kernel made in the arrays (``members``, ``sizes_``,
-        ``page_of_``, ``slot_of_``): the position count and the move journal."""
+        ``page_of_``, ``slot_of_``): the position count and the move journal (``journal=False``: the caller has
+        written the position's K/V where a host store keeps them, so there is nothing to replay)."""
         self._num_positions += 1
-        if self.record_moves:
+        if self.record_moves and journal:
             self._moves.append(Move(int(position), -1, -1, int(page_id), int(slot)))
+
+    def journal_is_empty(self) -> bool:
+        """No layout change waits in the journal (a host store is in step with the table)."""
+        return not self._moves
 
     def move(self, position: int, dst_page: int) -> int:
         """Move a paged position into another page (which must have room); returns its new slot."""

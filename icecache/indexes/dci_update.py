@@ -129,15 +129,25 @@ def _leaf_fast_path(tree: DCITree, vector: np.ndarray, sq_norm: float) -> bool:
         tree.run_key, tree.run_id, tree.vectors_run0, table.page_of_, table.slot_of_, table.members, table.sizes_,
         table.page_size,
     )
+    finish_leaf(tree, int(status), point, int(parent), int(page), int(slot), int(neighbour))
+    return True
+
+
+def finish_leaf(tree: DCITree, status: int, point: int, parent: int, page: int, slot: int, neighbour: int, *,
+                journal: bool = True) -> None:
+    """What `_insert_leaf` (outcome ``status``) hands back: the cluster block or the full page it stopped at,
+    or the account of its append (journalled unless ``journal`` is False: the caller wrote the host store), and
+    the point's place on level 0."""
+    table = tree.table
+    assert table is not None
     if status == LEAF_NEEDS_CLUSTER:
         _cluster_add(tree, parent + 1, point)
         _path_add(tree, parent, 1)
     elif status == LEAF_PAGE_FULL:
         _place_beside(tree, page, neighbour, point)
     else:
-        table.record_append(point, page, slot)
+        table.record_append(point, page, slot, journal=journal)
     tree.add_member(0, point)
-    return True
 
 
 @njit(nogil=True, cache=True)

@@ -19,6 +19,7 @@ import torch
 from icecache.core.errors import ConfigError
 from icecache.core.pager import SemanticPager
 from icecache.indexes.dci import DCIIndex, DCIParams, SearchConfig
+from icecache.indexes.dci_decode_insert import insert_one_stored, qualifies
 from icecache.indexes.dci_layer import layer_compatible, rank_pages_layer
 from icecache.indexes.page_scan import layer_rank_pages_exhaustive, rank_pages_exhaustive
 from icecache.indexes.registry import register_pager, unknown_parameter_error
@@ -158,6 +159,22 @@ class MDCIPager(SemanticPager):
         if start != len(self.index):  # the base class numbers positions; the index numbers ids: they agree
             raise RuntimeError(f"mdci: position {start} != index size {len(self.index)} (internal bug)")
         self.index.insert(keys.numpy(), check=False)  # `SemanticPager.insert` has checked or was told it may skip
+
+    stores_inserts = True
+
+    def insert_one_stored(self, key: np.ndarray, rows: np.ndarray, block_of: np.ndarray, new_k: np.ndarray,
+                          new_v: np.ndarray) -> bool:
+        """`SemanticPager.insert_one_stored`: the common decode insert (a level-0 leaf appended to a page with a
+        host block) as one compiled call with the store write (`icecache.indexes.dci_decode_insert`); the tree,
+        pages and store end as through `insert` + the store's replay."""
+        tree = self.index.tree
+        if self._n != tree.num_points:
+            raise RuntimeError(f"mdci: position {self._n} != index size {tree.num_points} (internal bug)")
+        if not qualifies(tree):
+            return super().insert_one_stored(key, rows, block_of, new_k, new_v)
+        stored = insert_one_stored(tree, key, rows, block_of, new_k, new_v)
+        self._n += 1
+        return stored
 
     def _rank_pages(self, queries: torch.Tensor, budget: int) -> tuple[np.ndarray, np.ndarray]:
         if self.search == "exhaustive":

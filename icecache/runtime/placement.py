@@ -241,8 +241,7 @@ class TokenPlacement:
                         vc[b, :, None].unbind(0))
             for pager, store, key32, key, value in heads:
                 assert len(pager) == local, "pager positions out of step with the sequence"
-                pager.insert(key32, check=False)
-                store.sync(pager.table.take_journal(), key, value, first_new=local)
+                store.insert_token(pager, key32, key, value, local)
 
     def next_leaving(self) -> int | None:
         """The position that leaves the window at the next step, if some row will insert it into its host pages

@@ -17,6 +17,7 @@ import torch
 from numba import njit
 
 from icecache.core.capacity import grown_capacity
+from icecache.core.pager import SemanticPager
 from icecache.core.pages import Move, PageTable, journal_array
 
 
@@ -127,7 +128,7 @@ class HeadStore:
         has_new = bool((arr[:, 1] < 0).any())
         if has_new:
             assert new_k is not None and new_v is not None, "new positions need their K/V"
-            raw_k, raw_v = self._raw_new(new_k), self._raw_new(new_v)
+            raw_k, raw_v = self.raw_new(new_k), self.raw_new(new_v)
         else:
             raw_k = raw_v = np.zeros((1, self.head_dim), self.raw_rows().dtype)
         # ---- read every source first (compiled: this runs at every page split of a decode insert)
@@ -142,6 +143,18 @@ class HeadStore:
             self.block_of[page] = self._take_block()
         _write_moved(self.raw_rows(), pos, data, self.table.page_of_, self.table.slot_of_, self.block_of,
                      self.page_size)  # the pool may have grown
+
+    def insert_token(self, pager: SemanticPager, key32: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     position: int) -> None:
+        """A decode insert: ``pager`` (whose table this store follows) takes the key ``key32`` ``[1, head_dim]``
+        (finite float32) at ``position``, and the store its K/V ``key`` / ``value`` ``[1, head_dim]``: written by
+        the pager itself when it `stores_inserts` a plain append, else by replaying the table's journal."""
+        if not pager.stores_inserts:
+            pager.insert(key32, check=False)
+        elif pager.insert_one_stored(key32.numpy()[0], self.raw_rows(), self.block_of, self.raw_new(key)[0],
+                                     self.raw_new(value)[0]):
+            return  # nothing to replay
+        self.sync(self.table.take_journal(), key, value, first_new=position)
 
     def load_layout(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Fill an empty store from the table's current layout in one pass: positions ``0..n-1`` take
@@ -174,7 +187,7 @@ class HeadStore:
             if self.block_of[m.dst_page] < 0:
                 self.block_of[m.dst_page] = self._take_block()
         rows = self.raw_rows()
-        keys, values = self._raw_new(new_k), self._raw_new(new_v)
+        keys, values = self.raw_new(new_k), self.raw_new(new_v)
         for m in moves:
             row = int(self.block_of[m.dst_page]) * self.page_size + m.dst_slot
             rows[row, 0] = keys[m.position - first_new]
@@ -188,7 +201,7 @@ class HeadStore:
         assert (rows >= 0).all(), "position not in the host store"
         return rows
 
-    def _raw_new(self, rows: torch.Tensor) -> np.ndarray:
+    def raw_new(self, rows: torch.Tensor) -> np.ndarray:
         """New K or V rows ``[m, head_dim]`` in the store's dtype, as `raw_numpy` (no copy when already so)."""
         return raw_numpy(rows if rows.dtype == self.dtype else rows.to(self.dtype))
 

@@ -1,0 +1,91 @@
+"""M-DCI's decode insert with its host-store write in one compiled call (`insert_one_stored`).
+
+A decode step inserts one key per (layer, KV head). Most of them are the common case of `dci_update`'s compiled
+leaf insert: a level-0 point that needs no rekey, whose parent is found by brute force and whose run-0
+neighbour's page has room. Through `dci_update.insert` that costs a chain of Python calls (the level schedule,
+the squared norm, the fast path's checks, a journal record) and then the host store's replay of the one-row
+journal. Here one kernel draws the point's level, makes the leaf insert's edits and, when the point only
+appended to a page that has a host block, writes its K and V into the store's rows itself, journalling nothing.
+Every other case ends exactly where `dci_update` would have taken it (same edits, same journal), so the tree,
+the pages and the store are the same as through `insert` + `HeadStore.sync`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from icecache.indexes import _dci_kernels as kernels
+from icecache.indexes import dci_update
+from icecache.indexes.dci_tree import DCITree, _schedule_cap
+
+#: `_leaf_stored` outcomes beyond `dci_update`'s (`LEAF_DONE` = appended, but the page has no host block)
+LEAF_STORED, NOT_A_LEAF = 3, 4
+
+
+@njit(nogil=True, cache=True)
+def _leaf_stored(counts, nxt, p0, p1, cap0, cap1, sq_norm, point, vector, upper, upper_X, upper_ext, X, ext, proj,
+                 dirs, dim, msq, level_of, parent_of, parent_dist, num_desc, cl_start, cl_size, cl_cap, run_key, run_id,
+                 Xr, page_of, slot_of, members, sizes, page_size, rows, block_of, new_k, new_v):
+    """Draw the point's level (MD's schedule, advanced by one); for a level-0 point with ``sq_norm <= msq``, make
+    `dci_update._insert_leaf`'s edits and, when it appended to a page with a host block, write ``new_k`` /
+    ``new_v`` ``[head_dim]`` into that block's slot of ``rows`` ``[R, 2, head_dim]``. Returns ``(status, level,
+    new_top, parent, page, slot, neighbour)``: `NOT_A_LEAF` (only the schedule moved), `LEAF_STORED`, or one of
+    `dci_update._insert_leaf`'s outcomes."""
+    level = np.empty(1, np.int64)
+    new_top = np.empty(1, np.bool_)
+    kernels.md_schedule(1, counts, nxt, p0, p1, cap0, cap1, level, new_top)
+    if level[0] != 0 or new_top[0] or sq_norm > msq:
+        return NOT_A_LEAF, level[0], new_top[0], -1, -1, -1, -1
+    status, parent, page, slot, neighbour = dci_update._insert_leaf(
+        point, vector, upper, upper_X, upper_ext, X, ext, proj, dirs, dim, msq, level_of, parent_of, parent_dist,
+        num_desc, cl_start, cl_size, cl_cap, run_key, run_id, Xr, page_of, slot_of, members, sizes, page_size)
+    if status == dci_update.LEAF_DONE and page < block_of.shape[0] and block_of[page] >= 0:
+        row = block_of[page] * page_size + slot
+        rows[row, 0, :] = new_k
+        rows[row, 1, :] = new_v
+        status = LEAF_STORED
+    return status, level[0], new_top[0], parent, page, slot, neighbour
+
+
+def qualifies(tree: DCITree) -> bool:
+    """Whether a decode insert into ``tree`` can take `insert_one_stored`'s compiled path: a multi-level MIPS tree
+    with ``"projection"`` pages of more than one token whose level 1 is searched by brute force, and an empty move
+    journal (the store is in step with the table)."""
+    table = tree.table
+    return (tree.mips and not tree.single_level and tree.num_levels >= 2 and table is not None and table.page_size > 1
+            and tree.params.page_split == "projection" and table.journal_is_empty()
+            and tree.level_counts[1] <= tree.params.brute_force_threshold)
+
+
+def insert_one_stored(tree: DCITree, vector: np.ndarray, rows: np.ndarray, block_of: np.ndarray, new_k: np.ndarray,
+                      new_v: np.ndarray) -> bool:
+    """`dci_update.insert` of one point ``vector`` ``[d]`` (float32, C-contiguous) into a tree that `qualifies`.
+    True when the point's K/V ``new_k`` / ``new_v`` ``[head_dim]`` were written into the host store's ``rows``
+    (``block_of`` maps page ids to its blocks) and nothing was journalled; False when the table's journal holds the
+    insert's page changes for `HeadStore.sync` to replay."""
+    table = tree.table
+    assert table is not None
+    sq_norm = float((vector.astype(np.float64) ** 2).sum())  # as `dci_update.insert` computes it
+    upper, upper_vectors, upper_ext = tree.level1_packed()
+    point = tree.num_points
+    tree.grow(point + 1)
+    table.reserve_positions(point + 1)
+    p0, p1 = float(tree.params.p0), float(tree.params.p1)
+    status, level, new_top, parent, page, slot, neighbour = _leaf_stored(
+        tree.schedule_counts, tree.schedule_next, p0, p1, _schedule_cap(p0), _schedule_cap(p1), sq_norm, point,
+        vector, upper, upper_vectors, upper_ext, tree.vectors, tree.ext, tree.proj, tree.dirs, tree.dim,
+        float(tree.msq), tree.level_of, tree.parent_of, tree.parent_dist, tree.num_descendants, tree.cluster_start,
+        tree.cluster_size, tree.cluster_cap, tree.run_key, tree.run_id, tree.vectors_run0, table.page_of_,
+        table.slot_of_, table.members, table.sizes_, table.page_size, rows, block_of, new_k, new_v)
+    if status == NOT_A_LEAF:
+        dci_update._insert_one(tree, vector, sq_norm, int(level), bool(new_top))
+        return False
+    tree.num_points = point + 1
+    stored = status == LEAF_STORED
+    dci_update.finish_leaf(tree, int(status) if not stored else dci_update.LEAF_DONE, point, int(parent), int(page),
+                           int(slot), int(neighbour), journal=not stored)
+    return stored
+
+
+__all__ = ["insert_one_stored", "qualifies"]
