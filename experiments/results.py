@@ -299,8 +299,9 @@ def row_decode() -> tuple[str, str, str]:
     head += (f"; one generate per fresh process, c91157f -> now ({link('experiments/bench_runtime/fresh_ab_capacity/')}, "
              f"after the fix of the growth regression that the thread change exposed), TPOT at 8k, budget 64: M-DCI "
              f"{fresh_ms('icecache', 8000, 64)} ms, exact {fresh_ms('exact', 8000, 64)}, Quest pages {fresh_ms('quest', 8000, 64)}")
-    auto_runs = [("2k", ("interleaved_2k_sync", "interleaved_2k_sync2", "interleaved_2k_repage")),
-                 ("8k", ("interleaved_8k_sync", "interleaved_8k_sync2", "interleaved_8k_repage")),
+    pairs = ("sync", "sync2", "repage", "stored", "stored2")
+    auto_runs = [("2k", tuple(f"interleaved_2k_{p}" for p in pairs)),
+                 ("8k", tuple(f"interleaved_8k_{p}" for p in pairs)),
                  ("Gemma-3 32k", ("interleaved_gemma_32k_inline",))]
     gaps = []
     for label, names in auto_runs:
@@ -312,12 +313,10 @@ def row_decode() -> tuple[str, str, str]:
             chose = var["auto@256"]["index"]
         gaps.append(f"{label} {' / '.join(cells)} (chose {chose})")
     gemma = read_json(br / "interleaved_gemma_32k_inline" / "tpot_interleaved.json")["variants"]
-    head += (f"; `index=\"auto\"` (M-DCI's pages scored exhaustively below the crossover since 2026-12-05, "
-             f"three interleaved runs each: {link('experiments/bench_runtime/interleaved_2k_sync/')}, "
-             f"{link('experiments/bench_runtime/interleaved_2k_sync2/')}, {link('experiments/bench_runtime/interleaved_8k_sync/')}, "
-             f"{link('experiments/bench_runtime/interleaved_8k_sync2/')}, and after M-DCI's rekeys re-page in compiled code "
-             f"{link('experiments/bench_runtime/interleaved_2k_repage/')}, {link('experiments/bench_runtime/interleaved_8k_repage/')}) "
-             f"vs the faster of exact and M-DCI: "
+    runs = ", ".join(link(f"experiments/bench_runtime/interleaved_{size}_{p}/") for p in pairs for size in ("2k", "8k"))
+    head += (f"; `index=\"auto\"` (M-DCI's pages scored exhaustively below the crossover since 2026-12-05) vs the "
+             f"faster of exact and M-DCI, {len(pairs)} interleaved runs each, oldest first ({runs}; the last three after "
+             f"the compiled re-paging, the last two also after the compiled decode insert): "
              f"{', '.join(gaps)} (target within 5%); Gemma-3-270M at "
              f"32k ({link('experiments/bench_runtime/interleaved_gemma_32k_inline/')}): IceCache (auto) "
              f"**{times(gemma['auto@256']['ratio_vs_floor_median'])}** the full-attention step at 2k (target 1.1x)")
