@@ -162,6 +162,21 @@ def test_plot_accepts_a_degenerate_interval_a_rounding_step_off_the_average(tmp_
     assert (tmp_path / "r.png").stat().st_size > 0
 
 
+def test_plot_of_a_run_without_full_attention_warns_nothing(tmp_path):
+    """A run of method variants alone has no full-attention average: the relative panel says so instead of an
+    empty legend (matplotlib's "No artists with labels" warning)."""
+    import warnings
+
+    from icecache.eval.ruler.report import plot
+
+    summary = [{"length": 8192, "row": "icecache[page_size=4]@64", "tasks": {"vt": 10.0}, "average": 10.0,
+                "ci_low": 5.0, "ci_high": 15.0, "samples": 2}]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plot(summary, tmp_path / "r.png")
+    assert (tmp_path / "r.png").stat().st_size > 0
+
+
 def test_run_json_holds_the_settings(tmp_path):
     PredictionLog(tmp_path, _spec().signature())
     data = json.loads((tmp_path / "run.json").read_text())

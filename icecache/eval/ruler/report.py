@@ -146,7 +146,11 @@ def plot(summary: Sequence[dict[str, Any]], path: str | Path) -> None:
     ax_bud.set_xscale("log", base=2)
     ax_bud.set_xlabel("budget (tokens)")
     ax_bud.set_ylabel("average / full attention's")
-    ax_bud.legend(fontsize=6, ncol=2)
+    if ax_bud.get_legend_handles_labels()[0]:
+        ax_bud.legend(fontsize=6, ncol=2)
+    else:  # a run without full attention's rows (or with a zero average): nothing to divide by
+        ax_bud.text(0.5, 0.5, "no full-attention average to compare with", ha="center", va="center",
+                    transform=ax_bud.transAxes, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
