@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from icecache.core.errors import ConfigError, InputError, InputTypeError
 from icecache.core.pages import PageTable
 from icecache.core.transform import key_key_distance, transform_keys, transform_queries
-from icecache.indexes import _dci_kernels as kernels
+from icecache.indexes import _dci_edit_kernels as edit_kernels
 from icecache.indexes.dci import DCIIndex, DCIParams, PrioritizedDCI, SearchConfig
 
 FAST = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -242,7 +242,7 @@ def test_level_schedule(n, p0, p1):
     nxt = np.zeros(1, np.int64)
     lv = np.empty(n, np.int64)
     new_top = np.empty(n, np.bool_)
-    kernels.md_schedule(n, counts, nxt, p0, p1, math.ceil(1 / p0 - 1e-9), math.ceil(1 / p1 - 1e-9), lv, new_top)
+    edit_kernels.md_schedule(n, counts, nxt, p0, p1, math.ceil(1 / p0 - 1e-9), math.ceil(1 / p1 - 1e-9), lv, new_top)
     assert lv.tolist() == reference_schedule(n, p0, p1)
     h = int(counts[63])
     sizes = np.bincount(lv, minlength=h) if n else np.zeros(0, np.int64)
@@ -415,8 +415,8 @@ def test_packed_level1_search_is_the_scattered_one(seed, n, d, inserted, scale):
     up, vectors, ext = tree.level1_packed()
     assert np.array_equal(up, tree.members(1))
     for point in range(0, tree.num_points, max(1, tree.num_points // 50)):
-        want = kernels.brute_nearest_one(point, up, tree.vectors, tree.ext, 2, float(tree.msq))
-        got = kernels.brute_nearest_packed(point, up, vectors, ext, tree.vectors, tree.ext, float(tree.msq))
+        want = edit_kernels.brute_nearest_one(point, up, tree.vectors, tree.ext, 2, float(tree.msq))
+        got = edit_kernels.brute_nearest_packed(point, up, vectors, ext, tree.vectors, tree.ext, float(tree.msq))
         assert got[0] == want[0] and got[1] == want[1]
 
 

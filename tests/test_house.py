@@ -8,8 +8,6 @@ import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "icecache"
-#: The numba kernels of M-DCI: one file of compiled loops, long by nature (issue 21).
-SIZE_EXEMPT = {"_dci_kernels.py"}
 MAX_LINES = 600
 
 
@@ -19,7 +17,7 @@ def _modules() -> list[Path]:
 
 def test_no_module_over_600_lines():
     long = {str(p.relative_to(PACKAGE)): n for p in _modules()
-            if p.name not in SIZE_EXEMPT and (n := len(p.read_text().splitlines())) > MAX_LINES}
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"modules over {MAX_LINES} lines: {long}"
 
 

@@ -543,13 +543,13 @@ def test_compiled_leaf_insert_makes_the_general_paths_edits(n, inserted, seed, s
 
 def detach_reference(stolen, parent_of, num_desc, cl_start, cl_size, run_key, run_id, Xr) -> int:
     """`dci_update._detach` written one child at a time in Python (the code it replaced)."""
-    from icecache.indexes import _dci_kernels as kernels
+    from icecache.indexes import _dci_edit_kernels as edit_kernels
 
     moved = 0
     for child in stolen.tolist():
         old_parent = int(parent_of[child])
         cid = old_parent + 1
-        kernels.cluster_remove(run_key, run_id, Xr, int(cl_start[cid]), int(cl_size[cid]), child)
+        edit_kernels.cluster_remove(run_key, run_id, Xr, int(cl_start[cid]), int(cl_size[cid]), child)
         cl_size[cid] -= 1
         node, subtree = old_parent, 1 + int(num_desc[child])
         while node >= 0:

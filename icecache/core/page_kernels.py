@@ -45,7 +45,7 @@ def _journal_row(journal, row, position, src_page, src_slot, dst_page, dst_slot)
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _move_one(pos, src, dst, slot, members, sizes, page_of, slot_of, journal, rows, freed, nfreed):
+def move_one(pos, src, dst, slot, members, sizes, page_of, slot_of, journal, rows, freed, nfreed):
     """`PageTable.move` of paged ``pos`` from page ``src`` into free ``slot`` of page ``dst`` on the arrays: the
     journal rows from ``rows`` on, the source's hole closed by its last slot, an emptied source freed into
     ``freed[nfreed]``. Returns ``(rows, nfreed)``."""
@@ -118,7 +118,7 @@ def move_many_kernel(positions, dst, members, sizes, page_of, slot_of, page_size
         slot = sizes[dst]
         if slot >= page_size:
             return rows, nfreed, i
-        rows, nfreed = _move_one(pos, src, dst, slot, members, sizes, page_of, slot_of, journal, rows, freed, nfreed)
+        rows, nfreed = move_one(pos, src, dst, slot, members, sizes, page_of, slot_of, journal, rows, freed, nfreed)
     return rows, nfreed, -1
 
 
@@ -152,7 +152,7 @@ def repage_kernel(flat, bounds, members, sizes, page_of, slot_of, page_size, fre
                 continue
             slot = sizes[dst]
             if src >= 0:
-                rows, num_free = _move_one(pos, src, dst, slot, members, sizes, page_of, slot_of, journal, rows, free,
+                rows, num_free = move_one(pos, src, dst, slot, members, sizes, page_of, slot_of, journal, rows, free,
                                            num_free)
                 continue
             rows = append_one(pos, dst, members, sizes, page_of, slot_of, journal, rows)
@@ -160,4 +160,4 @@ def repage_kernel(flat, bounds, members, sizes, page_of, slot_of, page_size, fre
     return rows, num_free, num_ids, appended, -1
 
 
-__all__ = ["append_one", "budget_csr", "move_many_kernel", "repage_kernel", "take_page_id"]
+__all__ = ["append_one", "budget_csr", "move_many_kernel", "move_one", "repage_kernel", "take_page_id"]

@@ -63,7 +63,7 @@ Layout: this module is the facade (`DCIIndex`, `PrioritizedDCI`) over one state 
 `icecache.indexes.dci_params` (`DCIParams`, `SearchConfig`, presets), `icecache.indexes.dci_tree` (`DCITree`:
 the arrays, their upkeep, introspection and invariants), `icecache.indexes.dci_build` (bulk construction),
 `icecache.indexes.dci_search` (queries and page ranking) and `icecache.indexes.dci_update` (insertion, adoption,
-page splits and merges); the compiled kernels are in `icecache.indexes._dci_kernels`.
+page splits and merges); the compiled kernels are in `icecache.indexes._dci_kernels` (searches) and `icecache.indexes._dci_edit_kernels` (edits).
 """
 
 from __future__ import annotations

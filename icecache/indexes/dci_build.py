@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from icecache.indexes import _dci_kernels as kernels
+from icecache.indexes import _dci_edit_kernels as edit_kernels
 from icecache.indexes.dci_search import thread_scratch
 from icecache.indexes.dci_tree import DCITree
 
@@ -88,7 +88,7 @@ def search_parents(tree: DCITree, nodes: np.ndarray, level: int, bulk: bool = Fa
     scratch = thread_scratch(tree.capacity, params.num_comp_indices)
     parents = np.empty(len(nodes), np.int64)
     dists = np.empty(len(nodes), np.float64)
-    kernels.assign_parents(
+    edit_kernels.assign_parents(
         np.ascontiguousarray(nodes, np.int64), tree.vectors, tree.vectors_run0, tree.ext, tree.proj, tree.key_mode, float(tree.msq),
         tree.run_key, tree.run_id, tree.cluster_start, tree.cluster_size, tree.num_descendants,
         tree.num_levels - 1, level + 1, params.num_comp_indices, params.num_simp_indices, int(config.field_of_view),
@@ -159,7 +159,7 @@ def even_groups(tree: DCITree, seg: np.ndarray) -> list[np.ndarray]:
     num_groups = -(-size // tree.table.page_size)
     if tree.params.page_split == "2means" and num_groups > 1:
         seg = np.ascontiguousarray(seg, np.int64).copy()
-        kernels.kway_order(tree.vectors, seg, num_groups, TWO_MEANS_ITERS)
+        edit_kernels.kway_order(tree.vectors, seg, num_groups, TWO_MEANS_ITERS)
     bounds = (np.arange(num_groups + 1) * size) // num_groups
     return [seg[bounds[i] : bounds[i + 1]] for i in range(num_groups)]
 

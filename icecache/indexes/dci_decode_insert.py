@@ -15,9 +15,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from icecache.indexes import _dci_kernels as kernels
+from icecache.indexes import _dci_edit_kernels as edit_kernels
 from icecache.indexes import dci_update
-from icecache.indexes.dci_tree import DCITree, _schedule_cap
+from icecache.indexes.dci_tree import DCITree
 
 #: `_leaf_stored` outcomes beyond `dci_update`'s (`LEAF_DONE` = appended, but the page has no host block)
 LEAF_STORED, NOT_A_LEAF = 3, 4
@@ -34,7 +34,7 @@ def _leaf_stored(counts, nxt, p0, p1, cap0, cap1, sq_norm, point, vector, upper,
     `dci_update._insert_leaf`'s outcomes."""
     level = np.empty(1, np.int64)
     new_top = np.empty(1, np.bool_)
-    kernels.md_schedule(1, counts, nxt, p0, p1, cap0, cap1, level, new_top)
+    edit_kernels.md_schedule(1, counts, nxt, p0, p1, cap0, cap1, level, new_top)
     if level[0] != 0 or new_top[0] or sq_norm > msq:
         return NOT_A_LEAF, level[0], new_top[0], -1, -1, -1, -1
     status, parent, page, slot, neighbour = dci_update._insert_leaf(
@@ -71,9 +71,8 @@ def insert_one_stored(tree: DCITree, vector: np.ndarray, rows: np.ndarray, block
     point = tree.num_points
     tree.grow(point + 1)
     table.reserve_positions(point + 1)
-    p0, p1 = float(tree.params.p0), float(tree.params.p1)
     status, level, new_top, parent, page, slot, neighbour = _leaf_stored(
-        tree.schedule_counts, tree.schedule_next, p0, p1, _schedule_cap(p0), _schedule_cap(p1), sq_norm, point,
+        *tree.schedule_args(), sq_norm, point,
         vector, upper, upper_vectors, upper_ext, tree.vectors, tree.ext, tree.proj, tree.dirs, tree.dim,
         float(tree.msq), tree.level_of, tree.parent_of, tree.parent_dist, tree.num_descendants, tree.cluster_start,
         tree.cluster_size, tree.cluster_cap, tree.run_key, tree.run_id, tree.vectors_run0, table.page_of_,

@@ -16,6 +16,7 @@ from numba import njit
 
 from icecache.core.capacity import grown_capacity
 from icecache.core.pages import PageTable
+from icecache.indexes import _dci_edit_kernels as edit_kernels
 from icecache.indexes import _dci_kernels as kernels
 from icecache.indexes.dci_params import DCIParams, Metric
 
@@ -149,13 +150,17 @@ class DCITree:
         self.cluster_cap = grown(self.cluster_cap, 0, 1)
         self.capacity = capacity
 
+    def schedule_args(self) -> tuple[np.ndarray, np.ndarray, float, float, int, int]:
+        """MD's schedule state and constants as `md_schedule` takes them: ``(counts, next, p0, p1, cap0, cap1)``."""
+        p0, p1 = float(self.params.p0), float(self.params.p1)
+        return self.schedule_counts, self.schedule_next, p0, p1, _schedule_cap(p0), _schedule_cap(p1)
+
     def draw_levels(self, m: int) -> tuple[np.ndarray, np.ndarray]:
         """The next ``m`` levels of MD's schedule (section 3), and whether each opens a new top level:
         ``(levels int64 [m], new_top bool [m])``. Advances the schedule."""
         levels = np.empty(m, np.int64)
         new_top = np.empty(m, np.bool_)
-        p0, p1 = float(self.params.p0), float(self.params.p1)
-        kernels.md_schedule(m, self.schedule_counts, self.schedule_next, p0, p1, _schedule_cap(p0), _schedule_cap(p1), levels, new_top)
+        edit_kernels.md_schedule(m, *self.schedule_args(), levels, new_top)
         return levels, new_top
 
     # ------------------------------------------------------------------ slab of sorted runs

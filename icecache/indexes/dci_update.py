@@ -23,8 +23,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from icecache.core.page_kernels import _move_one, append_one, take_page_id
-from icecache.indexes import _dci_kernels as kernels
+from icecache.core.page_kernels import append_one, move_one, take_page_id
+from icecache.indexes import _dci_edit_kernels as edit_kernels
 from icecache.indexes.dci_build import (
     TWO_MEANS_ITERS,
     construct,
@@ -167,7 +167,7 @@ def _insert_leaf(point, vector, upper, upper_X, upper_ext, X, ext, proj, dirs, d
     cl_size[point + 1] = 0
     cl_cap[point + 1] = 0
     lift_point(point, X, dirs, dim, msq, True, ext, proj)
-    parent, dist = kernels.brute_nearest_packed(point, upper, upper_X, upper_ext, X, ext, msq)
+    parent, dist = edit_kernels.brute_nearest_packed(point, upper, upper_X, upper_ext, X, ext, msq)
     parent_dist[point] = dist
     parent_of[point] = parent
     cid = parent + 1
@@ -175,7 +175,7 @@ def _insert_leaf(point, vector, upper, upper_X, upper_ext, X, ext, proj, dirs, d
     if size == 0 or size == cl_cap[cid]:
         return LEAF_NEEDS_CLUSTER, parent, -1, -1, -1
     start = cl_start[cid]
-    pos0 = kernels.cluster_insert(run_key, run_id, Xr, start, size, proj[point], point, X[point])
+    pos0 = edit_kernels.cluster_insert(run_key, run_id, Xr, start, size, proj[point], point, X[point])
     cl_size[cid] = size + 1
     node = parent
     while node >= 0:
@@ -198,10 +198,10 @@ def _parent_of_one(tree: DCITree, point: int, level: int) -> tuple[int, float]:
     if len(upper) <= tree.params.brute_force_threshold:
         if level == 0 and tree.mips:  # the same search as the compiled leaf insert's
             upper, upper_vectors, upper_ext = tree.level1_packed()
-            parent, dist = kernels.brute_nearest_packed(point, upper, upper_vectors, upper_ext, tree.vectors, tree.ext,
+            parent, dist = edit_kernels.brute_nearest_packed(point, upper, upper_vectors, upper_ext, tree.vectors, tree.ext,
                                                         float(tree.msq))
             return int(parent), float(dist)
-        parent, dist = kernels.brute_nearest_one(point, upper, tree.vectors, tree.ext, tree.key_mode, float(tree.msq))
+        parent, dist = edit_kernels.brute_nearest_one(point, upper, tree.vectors, tree.ext, tree.key_mode, float(tree.msq))
         return int(parent), float(dist)
     parents, dists = search_parents(tree, np.array([point], np.int64), level)
     return int(parents[0]), float(dists[0])
@@ -223,7 +223,7 @@ def _cluster_add(tree: DCITree, cid: int, point: int) -> None:
     semantic = tree.table is not None and tree.params.page_split == "2means" and size > 0
     if semantic:
         before = tree.run_id[0, start : start + size].astype(np.int64)
-    run0_pos = int(kernels.cluster_insert(
+    run0_pos = int(edit_kernels.cluster_insert(
         tree.run_key, tree.run_id, tree.vectors_run0, start, size, tree.proj[point], point, tree.vectors[point]
     ))
     tree.cluster_size[cid] = size + 1
@@ -237,11 +237,11 @@ def _cluster_add(tree: DCITree, cid: int, point: int) -> None:
         table.new_page([point])
         return
     if semantic:
-        page = int(kernels.nearest_page(point, before, table.page_of_, tree.vectors))
+        page = int(edit_kernels.nearest_page(point, before, table.page_of_, tree.vectors))
         if table.sizes_[page] >= table.page_size:
             new_page = _split_page(tree, page)
             both = np.concatenate([table.members[page, : table.sizes_[page]], table.members[new_page, : table.sizes_[new_page]]])
-            page = int(kernels.nearest_page(point, both, table.page_of_, tree.vectors))
+            page = int(edit_kernels.nearest_page(point, both, table.page_of_, tree.vectors))
         table.append(page, point)
         return
     neighbour = int(tree.run_id[0, start + run0_pos - 1]) if run0_pos > 0 else int(tree.run_id[0, start + 1])
@@ -305,7 +305,7 @@ def _place_beside_kernel(page, neighbour, point, proj, parent_of, cl_start, cl_s
     new_page, num_free, num_ids = take_page_id(free, num_free, num_ids, sizes, members)
     rows = 0
     for i in range(moving.shape[0] - 1, -1, -1):  # highest slot first, as `PageTable.split`
-        rows, num_free = _move_one(moving[i], page, new_page, sizes[new_page], members, sizes, page_of, slot_of,
+        rows, num_free = move_one(moving[i], page, new_page, sizes[new_page], members, sizes, page_of, slot_of,
                                    journal, rows, free, num_free)
     # ---- the point joins the half that holds its neighbour
     holder = new_page if page_of[neighbour] == new_page else page
@@ -324,7 +324,7 @@ def _place_beside_kernel(page, neighbour, point, proj, parent_of, cl_start, cl_s
             merges += 1
             src, dst = (cursor, other) if sizes[cursor] <= sizes[other] else (other, cursor)
             for i in range(sizes[src] - 1, -1, -1):  # the source's positions, last slot first
-                rows, num_free = _move_one(members[src, i], src, dst, sizes[dst], members, sizes, page_of, slot_of,
+                rows, num_free = move_one(members[src, i], src, dst, sizes[dst], members, sizes, page_of, slot_of,
                                            journal, rows, free, num_free)
             cursor = dst
     return rows, num_free, num_ids, new_page, 2, -1
@@ -337,7 +337,7 @@ def _split_page(tree: DCITree, page: int) -> int:
     assert table is not None
     ids = table.members[page, : table.sizes_[page]].copy()
     if tree.params.page_split == "2means":
-        kernels.kway_order(tree.vectors, ids, 2, TWO_MEANS_ITERS)  # halves of a balanced 2-means split
+        edit_kernels.kway_order(tree.vectors, ids, 2, TWO_MEANS_ITERS)  # halves of a balanced 2-means split
         upper = ids[len(ids) // 2 :]
     else:
         order = np.lexsort((ids, tree.proj[ids, 0]))
@@ -351,7 +351,7 @@ def _adopt(tree: DCITree, point: int, level: int) -> None:
     candidates = tree.members(level - 1)
     if len(candidates) == 0:
         return
-    closer = kernels.adopt_scan(
+    closer = edit_kernels.adopt_scan(
         point, candidates, tree.vectors, tree.ext, tree.parent_dist, tree.key_mode, float(tree.msq), float(tree.params.adopt_margin)
     )
     stolen = candidates[closer]
@@ -411,7 +411,7 @@ def _detach(stolen, parent_of, num_desc, cl_start, cl_size, run_key, run_id, Xr)
         child = stolen[i]
         old_parent = parent_of[child]
         cid = old_parent + 1
-        kernels.cluster_remove(run_key, run_id, Xr, cl_start[cid], cl_size[cid], child)
+        edit_kernels.cluster_remove(run_key, run_id, Xr, cl_start[cid], cl_size[cid], child)
         cl_size[cid] -= 1
         subtree = 1 + num_desc[child]
         node = old_parent
