@@ -202,9 +202,11 @@ def ruler_run(d: Path) -> str:
 def row_ruler() -> tuple[str, str, str]:
     base = EXP / "ruler"
     # shared_prefill_* runs time the shared prefill (2 samples per task), kvpress_*_check runs cross-check one
-    # baseline on a few samples: neither is a results table
+    # baseline on a few samples, and runs without full attention's rows are ablations of one method (e.g.
+    # gemma_8k_page4/): none is a results table
     runs = sorted(d for d in base.iterdir() if d.is_dir() and (d / "predictions.jsonl").exists()
-                  and not d.name.startswith("shared_prefill") and not d.name.endswith("_check")) if base.is_dir() else []
+                  and not d.name.startswith("shared_prefill") and not d.name.endswith("_check")
+                  and '"method": "full"' in (d / "predictions.jsonl").read_text()) if base.is_dir() else []
     if not runs:
         return ("RULER accuracy (average score x100)", "`icecache eval ruler`", "not run yet")
     return ("RULER accuracy (average score x100)", link("experiments/ruler/", full=True), "; ".join(ruler_run(d) for d in runs))

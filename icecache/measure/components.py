@@ -24,8 +24,15 @@ from icecache.measure.timing import interleaved, timeit
 __all__ = [
     "filled_cache", "measure_decode_step", "measure_attention", "measure_sparse_attention", "measure_store_sync",
     "measure_lm_head", "measure_prefill", "StampStreamer", "measure_generate_step", "measure_runtime_layer",
-    "measure_prefill_pipeline",
+    "measure_prefill_pipeline", "decode_insert_attr",
 ]
+
+
+def decode_insert_attr(pager: Any) -> str:
+    """The pager method a decode step's insert runs through (`HeadStore.insert_token`): ``insert_one_stored`` for a
+    pager that `stores_inserts` (it also writes the store), else ``insert``. Timing this one attribute times every
+    decode insert once."""
+    return "insert_one_stored" if pager.stores_inserts else "insert"
 
 
 def filled_cache(model: Any, n: int, seed: int) -> Any:
@@ -308,13 +315,16 @@ def measure_runtime_layer(
                     pager_s = [0.0]
                     for prow in layer.pagers:
                         for pg in prow:
-                            def timed_insert(*a: Any, _f: Any = pg.insert, _total: list[float] = pager_s, **kw: Any) -> Any:
+                            name = decode_insert_attr(pg)
+                            original = getattr(pg, name)
+
+                            def timed_insert(*a: Any, _f: Any = original, _total: list[float] = pager_s, **kw: Any) -> Any:
                                 t0 = time.perf_counter()
                                 try:
                                     return _f(*a, **kw)
                                 finally:
                                     _total[0] += time.perf_counter() - t0
-                            pg.insert = timed_insert
+                            setattr(pg, name, timed_insert)
                     cache.prefetch_inserts = False
                     sync: list[dict[str, float]] = []
                     for r in range(reps + 1):

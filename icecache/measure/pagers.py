@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from icecache.core.errors import ConfigError
-from icecache.measure.components import filled_cache
+from icecache.measure.components import decode_insert_attr, filled_cache
 from icecache.measure.timing import interleaved, timeit
 
 __all__ = ["KeyPool", "measure_pager", "measure_decode_index", "measure_pool", "measure_background_share"]
@@ -159,7 +159,8 @@ def measure_decode_index(
                 for row in getattr(layer, "pagers", None) or []:
                     for pg in row:
                         pg.select_arrays = timed(pg.select_arrays, "select")
-                        pg.insert = timed(pg.insert, "insert")
+                        name = decode_insert_attr(pg)
+                        setattr(pg, name, timed(getattr(pg, name), "insert"))
                         kinds.add(type(pg))
                         jobs += 1
             tok = logits[0, -1].argmax().view(1, 1)
