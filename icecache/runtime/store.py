@@ -149,6 +149,7 @@ class HeadStore:
         """A decode insert: ``pager`` (whose table this store follows) takes the key ``key32`` ``[1, head_dim]``
         (finite float32) at ``position``, and the store its K/V ``key`` / ``value`` ``[1, head_dim]``: written by
         the pager itself when it `stores_inserts` a plain append, else by replaying the table's journal."""
+        assert pager.table is self.table, "a store follows its own pager's table"
         if not pager.stores_inserts:
             pager.insert(key32, check=False)
         elif pager.insert_one_stored(key32.numpy()[0], self.raw_rows(), self.block_of, self.raw_new(key)[0],
