@@ -39,13 +39,16 @@ from icecache.runtime.models import load_model
 
 def variant_config(spec: str) -> IceCacheConfig:
     """``pager@budget`` or ``pager[key=value;...]@budget`` -> the config (default sink, window, dense layers).
-    ``page_size=N`` among the parameters sets the config's page size instead of a pager parameter."""
+    ``page_size=N`` and ``insert_every=N`` among the parameters set those config fields instead of pager
+    parameters."""
     pager, _, budget = spec.rpartition("@")
     if not pager or not budget.isdigit():
         raise SystemExit(f"bad variant {spec!r}: expected pager@budget or pager[key=value;...]@budget")
     index, params = parse_pager_spec(pager)
     page_size = params.pop("page_size", IceCacheConfig.page_size)
-    return IceCacheConfig(index=index, budget=int(budget), index_params=params, page_size=page_size)
+    insert_every = params.pop("insert_every", IceCacheConfig.insert_every)
+    return IceCacheConfig(index=index, budget=int(budget), index_params=params, page_size=page_size,
+                          insert_every=insert_every)
 
 
 def decode_block(model, cache, tok: torch.Tensor, steps: int) -> tuple[torch.Tensor, list[float]]:

@@ -99,6 +99,7 @@ ICE_OPTIONS: dict[str, tuple[str, Any, str]] = {
     "threads": ("--threads", int, "CPU threads for index work (0: all)"),
     "seed": ("--seed", int, "random seed of the pagers"),
     "heap_policy": ("--heap-policy", str, "glibc heap growth over long runs: trim, pin or none"),
+    "insert_every": ("--insert-every", int, "tokens that leave the window together (the window holds up to window + this - 1)"),
     "inserts": ("--inserts", str, "where decode inserts run: background (a worker thread), inline (the decode thread) or auto"),
     "top_p": ("--top-p", float, "adaptive budget: keep the ranked pages whose estimated attention mass reaches this share (0-1]"),
 }

@@ -62,3 +62,58 @@ def assert_layer_select_is_each_pagers_own(pagers: list, q: torch.Tensor, budget
         assert sel.positions[0][h].tolist() == positions.tolist()
         assert sel.indptrs[0][h].tolist() == indptr.tolist()
         assert sel.pages[0][h].tolist() == pages.tolist()
+
+
+def record_updates(cache) -> dict[int, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Make ``cache`` keep a copy of every K/V the model hands to its ``update``: ``{layer: [(k, v), ...]}``
+    (concatenated along dim 2, what a full cache would hold)."""
+    seen: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    original = cache.update
+
+    def recording_update(k, v, layer_idx, kw=None):
+        seen.setdefault(layer_idx, []).append((k.clone(), v.clone()))
+        return original(k, v, layer_idx, kw)
+
+    cache.update = recording_update
+    return seen
+
+
+def assert_host_kv_is_the_full_caches(cache, seen, layers, rows: int, heads: int) -> None:
+    """Every host page of ``layers`` holds exactly the K/V a full cache holds at its positions."""
+    for layer_idx in layers:
+        ref_k = torch.cat([k for k, _ in seen[layer_idx]], dim=2)
+        ref_v = torch.cat([v for _, v in seen[layer_idx]], dim=2)
+        for b in range(rows):
+            for h in range(heads):
+                pos, k, v = cache.host_kv(layer_idx, b, h)
+                assert torch.equal(k, ref_k[b, h, pos]), f"layer {layer_idx} row {b} head {h}"
+                assert torch.equal(v, ref_v[b, h, pos])
+
+
+class SparseDecodeReference:
+    """An attention function for ``AttentionInterface``: prefill and ``dense`` layers through SDPA; a decode
+    step attends, per (row, KV head), the positions ``keep(layer_idx, q [n_rep, D], keys [T, D])`` returns, with
+    a plain softmax over a DynamicCache's full keys. Subclasses say what to keep."""
+
+    def __init__(self, dense=()):
+        self.dense = set(dense)
+
+    def keep(self, layer_idx: int, q: torch.Tensor, keys: torch.Tensor) -> list[int]:
+        raise NotImplementedError
+
+    def __call__(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        if query.shape[2] > 1 or module.layer_idx in self.dense:
+            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        B, Hq, _, D = query.shape
+        H = key.shape[1]
+        n_rep = Hq // H
+        out = torch.empty(B, 1, Hq, D)
+        for b in range(B):
+            for h in range(H):
+                q = query[b, h * n_rep : (h + 1) * n_rep, 0]  # [n_rep, D]
+                idx = torch.tensor(sorted(set(self.keep(module.layer_idx, q, key[b, h]))))
+                att = torch.softmax(q @ key[b, h, idx].T * scaling, dim=-1)
+                out[b, 0, h * n_rep : (h + 1) * n_rep] = att @ value[b, h, idx]
+        return out, None

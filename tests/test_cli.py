@@ -30,6 +30,7 @@ FLAG_VALUES = {
     "--seed": ("7", 7),
     "--heap-policy": ("none", "none"),
     "--inserts": ("inline", "inline"),
+    "--insert-every": ("8", 8),
     "--top-p": ("0.9", 0.9),
 }
 

@@ -6,9 +6,8 @@ import threading
 
 import pytest
 import torch
-from conftest import make_tiny_llama
+from conftest import SparseDecodeReference, assert_host_kv_is_the_full_caches, make_tiny_llama, record_updates
 from transformers import AttentionInterface, DynamicCache
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import icecache
@@ -65,41 +64,31 @@ def test_exact_pager_at_budget_of_middle_length_is_exact(tiny_llama):
 
 
 # ------------------------------------------------------------------------------- Quest reference
-class QuestReference:
+class QuestReference(SparseDecodeReference):
     """An independent Quest computation on a plain DynamicCache: sink + window + top token-order pages."""
 
     def __init__(self, sink, window, page_size, budget, dense_layers=()):
-        self.S, self.W, self.P, self.B, self.dense = sink, window, page_size, budget, set(dense_layers)
+        super().__init__(dense_layers)
+        self.S, self.W, self.P, self.B = sink, window, page_size, budget
 
-    def __call__(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-        if query.shape[2] > 1 or module.layer_idx in self.dense:
-            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-        B, Hq, _, D = query.shape
-        H, T = key.shape[1], key.shape[2]
-        n_rep = Hq // H
-        out = torch.empty(B, 1, Hq, D)
-        for b in range(B):
-            for h in range(H):
-                q = query[b, h * n_rep : (h + 1) * n_rep, 0]  # [n_rep, D]
-                keep = list(range(min(self.S, T))) + list(range(max(0, T - self.W), T))
-                mid = list(range(self.S, max(self.S, T - self.W)))
-                scores = []
-                for start in range(0, len(mid), self.P):
-                    blk = key[b, h, mid[start : start + self.P]]
-                    lo, hi = blk.min(0).values, blk.max(0).values
-                    scores.append(max(float(torch.maximum(qi * lo, qi * hi).sum()) for qi in q))
-                order = sorted(range(len(scores)), key=lambda i: -scores[i])
-                used = 0
-                for i in order:
-                    page = mid[i * self.P : (i + 1) * self.P]
-                    if used + len(page) > self.B:
-                        break
-                    keep += page
-                    used += len(page)
-                idx = torch.tensor(sorted(set(keep)))
-                att = torch.softmax(q @ key[b, h, idx].T * scaling, dim=-1)
-                out[b, 0, h * n_rep : (h + 1) * n_rep] = att @ value[b, h, idx]
-        return out, None
+    def keep(self, layer_idx, q, keys):
+        T = keys.shape[0]
+        keep = list(range(min(self.S, T))) + list(range(max(0, T - self.W), T))
+        mid = list(range(self.S, max(self.S, T - self.W)))
+        scores = []
+        for start in range(0, len(mid), self.P):
+            blk = keys[mid[start : start + self.P]]
+            lo, hi = blk.min(0).values, blk.max(0).values
+            scores.append(max(float(torch.maximum(qi * lo, qi * hi).sum()) for qi in q))
+        order = sorted(range(len(scores)), key=lambda i: -scores[i])
+        used = 0
+        for i in order:
+            page = mid[i * self.P : (i + 1) * self.P]
+            if used + len(page) > self.B:
+                break
+            keep += page
+            used += len(page)
+        return keep
 
 
 def test_sequential_pager_matches_independent_quest_reference():
@@ -135,25 +124,10 @@ def test_conservation_and_host_kv_equal_full_cache(tiny_llama, name, lengths):
     steps = 40  # > window: tokens leave the window and are inserted incrementally
     cfg = IceCacheConfig(index=name, budget=24, page_size=4, sink=4, window=16, dense_layers=(0,))
     cache = IceCache(tiny_llama.config, cfg)
-    # What a full cache would hold: the concatenation of every K/V the model hands to `update`.
-    seen: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-    original = cache.update
-
-    def recording_update(k, v, layer_idx, kw=None):
-        seen.setdefault(layer_idx, []).append((k.clone(), v.clone()))
-        return original(k, v, layer_idx, kw)
-
-    cache.update = recording_update
+    seen = record_updates(cache)  # what a full cache would hold
     run(tiny_llama, ids, mask, cache=cache, steps=steps)
     cache.check_conservation()
-    for layer_idx in (1, 2, 3):
-        ref_k = torch.cat([k for k, _ in seen[layer_idx]], dim=2)
-        ref_v = torch.cat([v for _, v in seen[layer_idx]], dim=2)
-        for b in range(2):
-            for h in range(2):
-                pos, k, v = cache.host_kv(layer_idx, b, h)
-                assert torch.equal(k, ref_k[b, h, pos]), f"layer {layer_idx} row {b} head {h}"
-                assert torch.equal(v, ref_v[b, h, pos])
+    assert_host_kv_is_the_full_caches(cache, seen, (1, 2, 3), rows=2, heads=2)
     cache.close()
 
 

@@ -16,6 +16,7 @@ _INT_RANGES: dict[str, tuple[int, int]] = {
     "sink": (0, 1 << 16),
     "window": (1, 1 << 20),
     "reuse_every": (1, 1024),
+    "insert_every": (1, 4096),
     "threads": (0, 1024),
     "seed": (0, 2**63 - 1),
 }
@@ -83,6 +84,11 @@ class IceCacheConfig:
         it) or when torch's intra-op threads leave a CPU core free, inline otherwise. On a CPU whose cores all
         run the model's ops, a worker takes a core from them: inline was 5-13 ms per step faster on 2 cores
         (``experiments/bench_runtime/README.md``, question 4). ``stats()["inserts"]`` says which ran.
+    insert_every : int
+        Tokens leave the window for the host pages this many at a time (default 1: one per decode step). The
+        window then holds ``window`` to ``window + insert_every - 1`` tokens (that many more device slots), each
+        flush inserts the group head by head while that head's index is in the CPU caches, and the layers flush
+        at staggered steps (`icecache.runtime.placement`).
     top_p : float or None
         Adaptive budget (off by default): of the pages a step selects within ``budget``, keep only the
         best-ranked ones whose estimated attention mass reaches this share (0 < top_p <= 1) of theirs
@@ -108,6 +114,7 @@ class IceCacheConfig:
     gqa: str = "union"
     heap_policy: str = "trim"
     inserts: str = "auto"
+    insert_every: int = 1
     top_p: float | None = None
 
     def __post_init__(self) -> None:

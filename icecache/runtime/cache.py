@@ -228,11 +228,13 @@ class IceCache(Cache):
             return
         if ice.window > context:
             raise ConfigError(f"IceCacheConfig.window ({ice.window}) is larger than the model's context ({context} tokens)")
-        device_tokens = ice.sink + ice.budget + ice.window
+        extra = ice.insert_every - 1  # window tokens waiting for a group insert
+        device_tokens = ice.sink + ice.budget + ice.window + extra
         if device_tokens > context:
+            terms = f"{ice.sink} + {ice.budget} + {ice.window}" + (f" + {extra}" if extra else "")
             raise ConfigError(
-                f"IceCacheConfig sink + budget + window ({ice.sink} + {ice.budget} + {ice.window} = {device_tokens}) "
-                f"is larger than the model's context ({context} tokens)"
+                f"IceCacheConfig sink + budget + window{' + insert_every - 1' if extra else ''} ({terms} = "
+                f"{device_tokens}) is larger than the model's context ({context} tokens)"
             )
 
     # ------------------------------------------------------------------ reliability tests

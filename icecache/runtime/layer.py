@@ -33,7 +33,8 @@ class IceCacheLayer(TokenPlacement, CacheLayerMixin):
     def __init__(self, cache: IceCache, layer_idx: int, num_kv_heads: int, head_dim: int) -> None:
         CacheLayerMixin.__init__(self)
         cfg = cache.ice
-        TokenPlacement.__init__(self, layer_idx, num_kv_heads, head_dim, sink=cfg.sink, window=cfg.window, budget=cfg.budget)
+        TokenPlacement.__init__(self, layer_idx, num_kv_heads, head_dim, sink=cfg.sink, window=cfg.window, budget=cfg.budget,
+                                insert_every=cfg.insert_every)
         self._cache_ref = weakref.ref(cache)
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -131,12 +132,12 @@ class IceCacheLayer(TokenPlacement, CacheLayerMixin):
             self.append_token(k, v)
 
     def _prefetch_insert(self) -> None:
-        """Start inserting, on a worker, the token that leaves the window at the next step. It stays in the
+        """Start inserting, on a worker, the tokens that leave the window at the next step. They stay in the
         window (and out of every selection) until then; the next step waits for the job before selecting."""
         nxt = self.next_leaving()
         if nxt is None:
             return
-        kc, vc = self.take_leaving(nxt)
+        kc, vc = self.take_leaving(nxt, self.insert_every)
         self.cache.workers.submit(self.layer_idx, f"insert position {nxt}", self.insert_host, nxt, kc, vc, kind="insert")
 
     def attend(self, query: torch.Tensor, scaling: float, shared: dict[str, Any] | None) -> torch.Tensor:

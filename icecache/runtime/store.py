@@ -157,6 +157,20 @@ class HeadStore:
             return  # nothing to replay
         self.sync(self.table.take_journal(), key, value, first_new=position)
 
+    def insert_tokens(self, pager: SemanticPager, keys32: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                      first_position: int) -> None:
+        """Decode inserts of ``n`` consecutive positions from ``first_position`` (keys ``keys32`` ``[n, head_dim]``
+        finite float32, K/V ``keys`` / ``values`` ``[n, head_dim]``): one `insert_token` each where the pager
+        `stores_inserts`, else one pager insert of all n and one replay of the journal."""
+        n = keys32.shape[0]
+        if n == 1 or pager.stores_inserts:
+            for i in range(n):
+                self.insert_token(pager, keys32[i : i + 1], keys[i : i + 1], values[i : i + 1], first_position + i)
+            return
+        assert pager.table is self.table, "a store follows its own pager's table"
+        pager.insert(keys32, check=False)
+        self.sync(self.table.take_journal(), keys, values, first_new=first_position)
+
     def load_layout(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Fill an empty store from the table's current layout in one pass: positions ``0..n-1`` take
         ``keys[i]`` / ``values[i]`` (``[n, head_dim]``), one block per live page. The result is what replaying

@@ -56,6 +56,8 @@ class RulerSpec:
         cfg.pop("inserts")  # ... nor on where decode inserts run (tests/test_runtime_workers.py)
         if cfg.get("top_p") is None:  # off: runs made before the option existed resume as the same run
             cfg.pop("top_p", None)
+        if cfg.get("insert_every") == 1:  # likewise
+            cfg.pop("insert_every", None)
         return {"model": self.model, "seed": self.seed, "config": cfg, "chat_template": self.chat_template}
 
 
