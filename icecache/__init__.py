@@ -32,6 +32,7 @@ _LAZY = {
     "register_pager": "icecache.indexes.registry",
     "available_pagers": "icecache.indexes.registry",
     "load_model": "icecache.runtime.models",
+    "model_settings": "icecache.runtime.models",
     "IceCache": "icecache.runtime.cache",
     "generate": "icecache.runtime.generate",
     "GenerationResult": "icecache.runtime.generate",
@@ -50,6 +51,7 @@ __all__ = [
     "generate",
     "load_model",
     "make_pager",
+    "model_settings",
     "register_pager",
 ]
 
@@ -66,6 +68,7 @@ if TYPE_CHECKING:
     from icecache.runtime.generate import GenerationResult as GenerationResult
     from icecache.runtime.generate import generate as generate
     from icecache.runtime.models import load_model as load_model
+    from icecache.runtime.models import model_settings as model_settings
 
 
 def __getattr__(name: str) -> Any:

@@ -38,6 +38,8 @@ def _model_info(name: str | None) -> dict[str, Any]:
         info["source"] = key
         return info
     info["description"] = spec.description
+    if spec.icecache_settings:
+        info["icecache_settings"] = models.model_settings(key)
     info["package"] = f"{spec.package}=={spec.version} (installed with --no-deps, never imported)"
     try:
         gguf = models.locate_gguf(spec)
@@ -149,12 +151,31 @@ def _ice_config(args: argparse.Namespace, check_pager: bool = True, **overrides:
                 raise ConfigError(f"--dense-layers: expected comma-separated layer indices, got {value!r}") from None
         values[name] = value
     values.update(overrides)
+    for name, value in _model_settings(args, values).items():
+        values.setdefault(name, value)
     config = IceCacheConfig(**values)
     if check_pager:
         from icecache.indexes.auto import check_index
 
         check_index(config.index, config.index_params, head_dim=8, page_size=config.page_size, seed=config.seed)
     return config
+
+
+def _model_settings(args: argparse.Namespace, given: dict[str, Any]) -> dict[str, Any]:
+    """The settings of the ``--model`` (`icecache.runtime.models.model_settings`) that no flag overrides, said in
+    one line on stderr when there are any. M-DCI's ``index_params`` apply only where the index is M-DCI's."""
+    from icecache.eval.ruler.command import MODEL_ALIASES
+    from icecache.runtime.models import model_settings
+
+    name = getattr(args, "model", None)
+    settings = {k: v for k, v in model_settings(MODEL_ALIASES.get(name, name)).items() if k not in given}
+    if given.get("index", "mdci") not in ("mdci", "auto"):
+        settings.pop("index_params", None)
+    if settings:
+        shown = ", ".join(f"{k}={v}" for k, v in settings.items())
+        print(f"{name}: {shown} (this model's settings, experiments/ruler/README.md; a flag overrides each)",
+              file=sys.stderr)
+    return settings
 
 
 def parse_pager_spec(spec: str) -> tuple[str, dict]:

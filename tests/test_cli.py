@@ -197,3 +197,32 @@ def test_generate_stats_line_says_which_prompt_convention_ran(capsys, monkeypatc
     assert "(chat template)" in capsys.readouterr().err
     assert main(["generate", "hi", "--full", "--no-chat"]) == 0
     assert "(raw text, no chat template)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "page_size", "index", "index_params"), [
+    ([], 4, "mdci", {"field_of_view": 200}),  # the model's settings
+    (["--page-size", "16"], 16, "mdci", {"field_of_view": 200}),  # a flag overrides its field only
+    (["--index-params", ""], 4, "mdci", {}),  # an empty --index-params is a given value
+    (["--index", "ivf"], 4, "ivf", {}),  # M-DCI's parameters stay with M-DCI
+    (["--index", "auto"], 4, "auto", {"field_of_view": 200}),
+])
+def test_a_models_settings_fill_the_fields_no_flag_sets(capsys, argv, page_size, index, index_params):
+    args = build_parser().parse_args(["eval", "passkey", "--model", "gemma-3-270m", *argv])
+    config = _ice_config(args, check_pager=False)
+    assert (config.page_size, config.index, config.index_params) == (page_size, index, index_params)
+    assert config.budget == IceCacheConfig().budget
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("gemma-3-270m: ") and "this model's settings" in line
+    assert ("page_size=4" in line) == (page_size == 4)
+
+
+def test_models_without_settings_keep_the_configs_defaults(capsys):
+    from icecache.runtime.models import MODELS, model_settings
+
+    for argv in (["generate", "hi"], ["eval", "passkey", "--model", "smollm2"], ["generate", "hi", "--model", "/tmp/x"]):
+        assert _ice_config(build_parser().parse_args(argv), check_pager=False) == IceCacheConfig()
+    assert capsys.readouterr().err == ""
+    settings = model_settings("gemma-3-270m")
+    settings["index_params"]["field_of_view"] = 1  # a copy: the registry keeps its own
+    assert MODELS["gemma-3-270m"].icecache_settings["index_params"] == {"field_of_view": 200}
+    assert IceCacheConfig(**model_settings("gemma-3-270m")).page_size == 4
