@@ -169,7 +169,7 @@ def _model_settings(args: argparse.Namespace, given: dict[str, Any]) -> dict[str
 
     name = getattr(args, "model", None)
     settings = {k: v for k, v in model_settings(MODEL_ALIASES.get(name, name)).items() if k not in given}
-    if given.get("index", "mdci") not in ("mdci", "auto"):
+    if given.get("index", "mdci") != "mdci":  # `auto` takes only its crossover
         settings.pop("index_params", None)
     if settings:
         shown = ", ".join(f"{k}={v}" for k, v in settings.items())

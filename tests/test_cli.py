@@ -204,11 +204,11 @@ def test_generate_stats_line_says_which_prompt_convention_ran(capsys, monkeypatc
     (["--page-size", "16"], 16, "mdci", {"field_of_view": 200}),  # a flag overrides its field only
     (["--index-params", ""], 4, "mdci", {}),  # an empty --index-params is a given value
     (["--index", "ivf"], 4, "ivf", {}),  # M-DCI's parameters stay with M-DCI
-    (["--index", "auto"], 4, "auto", {"field_of_view": 200}),
+    (["--index", "auto"], 4, "auto", {}),  # auto takes only its crossover
 ])
 def test_a_models_settings_fill_the_fields_no_flag_sets(capsys, argv, page_size, index, index_params):
     args = build_parser().parse_args(["eval", "passkey", "--model", "gemma-3-270m", *argv])
-    config = _ice_config(args, check_pager=False)
+    config = _ice_config(args)  # the pager check too: the settings must be valid for the index they reach
     assert (config.page_size, config.index, config.index_params) == (page_size, index, index_params)
     assert config.budget == IceCacheConfig().budget
     line = capsys.readouterr().err.strip()

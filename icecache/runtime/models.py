@@ -88,7 +88,7 @@ def model_settings(name: str | None) -> dict[str, Any]:
     """`IceCacheConfig` fields that the known model ``name`` (None: the default model) runs with unless told
     otherwise, e.g. ``{"page_size": 4, ...}``; ``{}`` for the defaults or a model given by path. The command line
     applies them to every field no flag sets; in Python, ``IceCacheConfig(**model_settings(name), budget=...)``.
-    ``index_params`` here are M-DCI's (they apply only where the index is ``mdci`` or ``auto``)."""
+    ``index_params`` here are M-DCI's (they apply only where the index is ``mdci``)."""
     spec = MODELS.get(name or DEFAULT_MODEL)
     return {} if spec is None else {k: (dict(v) if isinstance(v, dict) else v) for k, v in spec.icecache_settings.items()}
 
