@@ -3,6 +3,7 @@ would have no effect are refused in one line, bad input never prints a traceback
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 
@@ -226,3 +227,15 @@ def test_models_without_settings_keep_the_configs_defaults(capsys):
     settings["index_params"]["field_of_view"] = 1  # a copy: the registry keeps its own
     assert MODELS["gemma-3-270m"].icecache_settings["index_params"] == {"field_of_view": 200}
     assert IceCacheConfig(**model_settings("gemma-3-270m")).page_size == 4
+
+
+def test_pager_flags_count_a_variant_as_its_base_method():
+    """`--index-params` tunes `icecache[...]` (a variant runs its base's pager) and not `quest[...]`."""
+    from icecache.eval.command import check_eval_flags
+
+    def args(methods: str) -> argparse.Namespace:
+        return build_parser().parse_args(["eval", "ruler", "--methods", methods, "--index-params", "", "--out", "unused"])
+
+    check_eval_flags(args("icecache[field_of_view=200],quest[page_size=4]"), ["--index-params"])
+    with pytest.raises(ConfigError, match="none of --methods"):
+        check_eval_flags(args("quest[page_size=4],full"), ["--index-params"])
