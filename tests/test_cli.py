@@ -130,6 +130,8 @@ def test_icecache_r_reuses_two_layers_unless_told_otherwise(prefill_and_model):
     (["eval", "needle", "--tasks", "vt"], "applies to eval ruler"),
     (["eval", "passkey", "--workers", "2"], "applies to eval ruler"),
     (["eval", "ruler", "--variants", "single", "--out", "unused"], "applies to eval needle"),
+    (["eval", "passkey", "--references", "unused"], "applies to eval ruler"),
+    (["eval", "ruler", "--references", "unused", "--out", "unused"], "does nothing without it"),
     (["eval", "passkey", "--lengths", "2q"], "--lengths: expected"),
     (["eval", "ruler", "--lengths", "2q", "--out", "unused"], "--lengths: expected"),
     (["eval", "ruler", "--tasks", "nope", "--out", "unused"], "unknown ['nope']"),

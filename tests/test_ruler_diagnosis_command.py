@@ -11,8 +11,8 @@ from test_ruler_runner import CharTokenizer
 
 from icecache import IceCacheConfig
 from icecache.core.errors import ConfigError
-from icecache.eval.ruler.diagnose import diagnose_losses, row_key
-from icecache.eval.ruler.diagnosis_command import diagnosis_markdown, parse_targets, run_diagnose
+from icecache.eval.ruler.diagnose import diagnose_losses, row_key, scan_config
+from icecache.eval.ruler.diagnosis_command import diagnosis_markdown, parse_targets, reference_records, run_diagnose
 
 
 class OffsetCharTokenizer(CharTokenizer):
@@ -31,8 +31,10 @@ def _record(index: int, method: str, budget: str, score: float) -> dict:
 
 def test_targets_parse_and_refuse_bad_input():
     assert parse_targets("icecache@256, quest@64") == [("icecache", "256"), ("quest", "64")]
+    assert parse_targets("icecache[page_size=4,field_of_view=200]@256,quest[page_size=4]@64") == [
+        ("icecache[page_size=4,field_of_view=200]", "256"), ("quest[page_size=4]", "64")]
     for bad, match in (("icecache", "METHOD@BUDGET"), ("icecache@x", "METHOD@BUDGET"), ("full@64", "reference"),
-                       ("nosuch@64", "nosuch"), ("", "METHOD@BUDGET")):
+                       ("nosuch@64", "nosuch"), ("", "METHOD@BUDGET"), ("@64", "METHOD@BUDGET")):
         with pytest.raises(ConfigError, match=match):
             parse_targets(bad)
 
@@ -108,3 +110,41 @@ def test_command_refuses_a_directory_without_a_run(tmp_path):
     with pytest.raises(ConfigError, match="no predictions"):
         run_diagnose(_args(tmp_path))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.json"]  # nothing half-written
+
+
+def test_a_variant_of_icecache_is_answered_again_with_its_own_settings_and_the_exhaustive_ranking():
+    config = IceCacheConfig(budget=32, page_size=16, index="mdci", index_params={})
+    scan = scan_config("icecache[page_size=4;field_of_view=200]", config)
+    assert scan is not None and scan.index_params == {"search": "exhaustive"}
+    from icecache.eval.methods import get_method
+
+    ranked = get_method("icecache[page_size=4;field_of_view=200]").configure(scan)
+    assert ranked.page_size == 4 and ranked.index_params == {"search": "exhaustive", "field_of_view": 200}
+    assert scan_config("quest[page_size=4]", config) is None
+    assert scan_config("icecache[page_size=4]", config.replace(index="ivf")) is None
+
+
+def _write_run(path, config: dict, rows: list[dict], **run) -> None:
+    path.mkdir()
+    (path / "run.json").write_text(json.dumps({"model": "gemma-3-270m", "seed": 42, "config": config,
+                                               "chat_template": None, **run}))
+    (path / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_references_supply_full_and_exact_rows_of_a_run_of_the_same_samples(tmp_path):
+    config = {"page_size": 16, "sink": 4, "window": 64, "index": "mdci", "index_params": {}}
+    variant = [_record(0, "icecache[page_size=4]", "256", 0.0)]
+    refs = [_record(0, "full", "-", 1.0), _record(0, "exact", "256", 1.0), _record(0, "quest", "256", 0.0)]
+    run = {"model": "gemma-3-270m", "seed": 42, "config": {**config, "page_size": 4, "index_params": {"field_of_view": 200}},
+           "chat_template": None}
+    _write_run(tmp_path / "same", config, refs)
+    assert [r["method"] for r in reference_records(run, variant, tmp_path / "same")] == ["full", "exact"]
+    _write_run(tmp_path / "window", {**config, "window": 32}, refs)
+    _write_run(tmp_path / "seed", config, refs, seed=7)
+    _write_run(tmp_path / "nofull", config, refs[2:])
+    for name, match in (("window", "window differ"), ("seed", "ran seed 7"), ("nofull", "no full or exact rows"),
+                        ("missing", "run.json not found")):
+        with pytest.raises(ConfigError, match=match):
+            reference_records(run, variant, tmp_path / name)
+    with pytest.raises(ConfigError, match="holds its own full rows"):
+        reference_records(run, variant + refs[:1], tmp_path / "same")

@@ -35,6 +35,7 @@ TASK_FLAGS: dict[str, tuple[str, tuple[str, ...], Any]] = {
     "data_seed": ("--data-seed", ("ruler",), None),
     "no_chat_template": ("--no-chat-template", ("ruler",), False),
     "diagnose": ("--diagnose", ("ruler",), None),
+    "references": ("--references", ("ruler",), None),
 }
 DEFAULT_DECODE_TOKENS = 256
 
@@ -77,6 +78,8 @@ def add_eval_arguments(ev: argparse.ArgumentParser) -> None:
     task.add_argument("--data-seed", type=int, default=None, help="ruler: seed of the generated samples (default 42, RULER's)")
     task.add_argument("--diagnose", default=None, metavar="METHOD@BUDGET,...",
                       help="ruler: classify the samples these rows of the --out run lost (model, budget, page or search miss)")
+    task.add_argument("--references", default=None, metavar="DIR",
+                      help="ruler --diagnose: take full's and exact's rows from this run of the same samples")
     task.add_argument("--no-chat-template", action="store_true",
                       help="ruler: plain prompts even when the tokenizer has a chat template")
 

@@ -110,6 +110,8 @@ def run_command(args: argparse.Namespace, config: Any) -> int:
     from icecache.eval.ruler import TASKS
     from icecache.eval.ruler.runner import PredictionLog
 
+    if getattr(args, "references", None) and not args.diagnose:
+        raise ConfigError("--references supplies the reference rows of --diagnose; it does nothing without it")
     if args.diagnose:
         from icecache.eval.ruler.diagnosis_command import run_diagnose
 

@@ -146,7 +146,11 @@ def classify(full_score: float, oracle_score: float, replayed: Replay | None, ma
 def scan_config(method: str, config: Any) -> Any | None:
     """The config that answers ``method`` with its pages ranked exhaustively (M-DCI's ``search="exhaustive"``),
     or None where the method has no such ranking to try (other pagers)."""
-    if method in ("icecache", "icecache-r") and config.index == "mdci":
+    from icecache.eval.methods import get_method
+
+    resolved = get_method(method)
+    base = getattr(resolved, "base", None) or resolved  # a variant name[...] ranks with its base's pager
+    if base.name in ("icecache", "icecache-r") and resolved.pager(config) == "mdci":
         return config.replace(index_params={**config.index_params, "search": "exhaustive"})
     return None
 

@@ -5,6 +5,10 @@ Reads ``DIR/run.json`` (the run's model, data seed, chat template and `IceCacheC
 exact oracle answered it (`icecache.eval.ruler.diagnose`). Each classified sample is appended to
 ``DIR/diagnosis.jsonl`` as it finishes (a re-run skips them), and ``DIR/diagnosis.md`` holds the class
 counts per length and ``method@budget``.
+
+``--references RUN`` takes the full and exact rows from another run of the same samples (same model, data
+seed, chat template and every `IceCacheConfig` field that full attention and the exact oracle use), for a run
+of variants alone (``--methods "icecache[page_size=4]"``) that did not repeat them.
 """
 
 from __future__ import annotations
@@ -23,12 +27,13 @@ CLASSES = ("model", "budget", "page miss", "search miss")
 
 def parse_targets(text: str) -> list[tuple[str, str]]:
     """``"icecache@256,quest@64"`` -> ``[("icecache", "256"), ("quest", "64")]``; one-line `ConfigError` otherwise."""
+    from icecache.core.config import split_items
     from icecache.eval.methods import get_method
 
     out = []
-    for item in filter(None, (x.strip() for x in text.split(","))):
-        method, sep, budget = item.partition("@")
-        if not sep or not budget.isdigit():
+    for item in split_items(text):
+        method, sep, budget = item.rpartition("@")
+        if not sep or not method or not budget.isdigit():
             raise ConfigError(f"--diagnose: expected METHOD@BUDGET like icecache@256, got {item!r}")
         if method in ("full", "exact"):
             raise ConfigError(f"--diagnose: {method} is a reference of the classification, not a method to diagnose")
@@ -63,6 +68,36 @@ def diagnosis_markdown(records: Sequence[dict[str, Any]], rows: Sequence[dict[st
     return "\n".join(lines) + "\n"
 
 
+#: `IceCacheConfig` fields that neither full attention nor the exact oracle (every token its own page) reads:
+#: a reference run may differ in these.
+REFERENCE_FREE_FIELDS = ("page_size", "index", "index_params")
+
+
+def reference_records(run: dict[str, Any], records: Sequence[dict[str, Any]], ref_dir: Path) -> list[dict[str, Any]]:
+    """The full and exact rows of the run in ``ref_dir``, checked to answer the same samples as ``run`` (model,
+    data seed, chat template, the config fields the references read); one-line `ConfigError` otherwise."""
+    from icecache.eval.ruler.runner import read_jsonl
+
+    ref_file = ref_dir / "run.json"
+    if not ref_file.exists():
+        raise ConfigError(f"--references: {ref_file} not found; it must be a RULER run's directory")
+    ref = json.loads(ref_file.read_text())
+    for key in ("model", "seed", "chat_template"):
+        if ref.get(key) != run.get(key):
+            raise ConfigError(f"--references: {ref_dir} ran {key} {ref.get(key)!r}, the diagnosed run {run.get(key)!r}")
+    differ = sorted(k for k in set(ref["config"]) | set(run["config"])
+                    if k not in REFERENCE_FREE_FIELDS and ref["config"].get(k) != run["config"].get(k))
+    if differ:
+        raise ConfigError(f"--references: {ref_dir} ran another config ({', '.join(differ)} differ)")
+    own = sorted({r["method"] for r in records if r["method"] in ("full", "exact")})
+    if own:
+        raise ConfigError(f"--references: the diagnosed run holds its own {' and '.join(own)} rows; diagnose it without --references")
+    rows = [r for r in read_jsonl(ref_dir / "predictions.jsonl") if r["method"] in ("full", "exact")]
+    if not rows:
+        raise ConfigError(f"--references: {ref_dir} holds no full or exact rows")
+    return rows
+
+
 def run_diagnose(args: Any) -> int:
     """Entry point of ``icecache eval ruler --diagnose`` (see the module docstring)."""
     from icecache.core.config import IceCacheConfig
@@ -84,6 +119,9 @@ def run_diagnose(args: Any) -> int:
     records = read_jsonl(out / "predictions.jsonl")
     if not records:
         raise ConfigError(f"--diagnose: {out / 'predictions.jsonl'} holds no predictions yet")
+    references = getattr(args, "references", None)
+    if references:
+        records = list(records) + reference_records(run, records, Path(references))
     config = IceCacheConfig(**run["config"])
     model, tokenizer = load_model(run["model"])
     chat = run["chat_template"] if run["chat_template"] is not None else bool(getattr(tokenizer, "chat_template", None))
@@ -100,7 +138,8 @@ def run_diagnose(args: Any) -> int:
                         progress=not args.json, done={row_key(r) for r in rows}, on_row=append)
     table = diagnosis_markdown(records, rows, targets)
     tmp = out / "diagnosis.md.tmp"
-    tmp.write_text(f"Loss classes of `{out}` ({len(records)} predictions; `icecache eval ruler --out {out} --diagnose {args.diagnose}`).\n"
+    command = f"icecache eval ruler --out {out} --diagnose '{args.diagnose}'" + (f" --references {references}" if references else "")
+    tmp.write_text(f"Loss classes of `{out}` ({len(records)} predictions{', full and exact from ' + str(references) if references else ''}; `{command}`).\n"
                    "A lost sample that full attention or the exact oracle has not run yet is not classified.\n\n" + table)
     os.replace(tmp, out / "diagnosis.md")
     print(table)
