@@ -68,6 +68,7 @@ def test_losses_are_classified_once_and_a_rerun_skips_them():
     cells = [c.strip() for c in line.strip("|").split("|")]
     assert cells[:5] == ["3000", "icecache@32", "5", "4", "3"]  # samples, lost, classified
     assert cells[5:9] == ["1", "1", str(int(classes[0] == "page miss")), str(int(classes[0] == "search miss"))]
+    assert cells[10] == "2 (1)"  # samples 0 and 2 scored below full; on sample 2 the oracle did too
 
 
 def test_an_mdci_loss_is_answered_again_with_the_pages_ranked_exhaustively(monkeypatch):
@@ -148,3 +149,12 @@ def test_references_supply_full_and_exact_rows_of_a_run_of_the_same_samples(tmp_
             reference_records(run, variant, tmp_path / name)
     with pytest.raises(ConfigError, match="holds its own full rows"):
         reference_records(run, variant + refs[:1], tmp_path / "same")
+
+
+def test_below_full_counts_partial_credit():
+    records = [_record(0, "full", "-", 0.5), _record(0, "exact", "64", 0.75), _record(0, "quest", "64", 0.25),
+               _record(1, "full", "-", 0.5), _record(1, "exact", "64", 0.25), _record(1, "quest", "64", 0.0),
+               _record(2, "full", "-", 0.5), _record(2, "quest", "64", 0.5),  # equal: not below
+               _record(3, "quest", "64", 0.0)]  # full has not run it: left out
+    line = next(x for x in diagnosis_markdown(records, [], [("quest", "64")]).splitlines() if "quest@64" in x)
+    assert line.rstrip("| ").endswith("2 (1)")

@@ -4,7 +4,7 @@ Reads ``DIR/run.json`` (the run's model, data seed, chat template and `IceCacheC
 ``DIR/predictions.jsonl``; replays every sample that a ``method@budget`` lost while full attention and the
 exact oracle answered it (`icecache.eval.ruler.diagnose`). Each classified sample is appended to
 ``DIR/diagnosis.jsonl`` as it finishes (a re-run skips them), and ``DIR/diagnosis.md`` holds the class
-counts per length and ``method@budget``.
+counts per length and ``method@budget``, and how many samples scored below full attention's own (partial) score.
 
 ``--references RUN`` takes the full and exact rows from another run of the same samples (same model, data
 seed, chat template and every `IceCacheConfig` field that full attention and the exact oracle use), for a run
@@ -50,8 +50,10 @@ def parse_targets(text: str) -> list[tuple[str, str]]:
 def diagnosis_markdown(records: Sequence[dict[str, Any]], rows: Sequence[dict[str, Any]],
                        targets: Sequence[tuple[str, str]]) -> str:
     """Class counts per length and target: lost samples, how many were classified, and each class."""
-    lines = ["| length | method@budget | samples | lost | classified | " + " | ".join(CLASSES) + " | search / pages / oracle answer recall (misses) |",
-             "|---|---|---|---|---|" + "---|" * len(CLASSES) + "---|"]
+    scores = {(r["task"], str(r["length"]), str(r["index"]), r["method"], str(r["budget"])): r["score"] for r in records}
+    lines = ["| length | method@budget | samples | lost | classified | " + " | ".join(CLASSES)
+             + " | search / pages / oracle answer recall (misses) | below full (exact too) |",
+             "|---|---|---|---|---|" + "---|" * len(CLASSES) + "---|---|"]
     for length in sorted({int(r["length"]) for r in records}):
         for method, budget in targets:
             mine = [r for r in records if int(r["length"]) == length and r["method"] == method and str(r["budget"]) == budget]
@@ -63,9 +65,26 @@ def diagnosis_markdown(records: Sequence[dict[str, Any]], rows: Sequence[dict[st
             replays = [d for d in done if "search_recall" in d]
             recall = (" / ".join(f"{sum(d[k] for d in replays) / len(replays):.2f}" for k in ("search_recall", "pages_recall", "oracle_recall"))
                       if replays else "-")
+            below, oracle_below = _below_full(mine, scores, budget)
             lines.append(f"| {length} | {method}@{budget} | {len(mine)} | {lost} | {len(done)} | "
-                         + " | ".join(str(counts.get(c, 0)) for c in CLASSES) + f" | {recall} |")
+                         + " | ".join(str(counts.get(c, 0)) for c in CLASSES) + f" | {recall} | {below} ({oracle_below}) |")
     return "\n".join(lines) + "\n"
+
+
+def _below_full(mine: Sequence[dict[str, Any]], scores: dict[tuple[str, ...], float], budget: str) -> tuple[int, int]:
+    """How many of ``mine`` scored below full attention on the same sample (partial credit counts: a sample
+    full answers half of and the method none of is below), and of those, how many the exact oracle at the same
+    budget also scored below full. Samples full has not run are left out."""
+    below = oracle_below = 0
+    for r in mine:
+        key = (r["task"], str(r["length"]), str(r["index"]))
+        full = scores.get((*key, "full", "-"))
+        if full is None or r["score"] >= full:
+            continue
+        below += 1
+        oracle = scores.get((*key, "exact", budget))
+        oracle_below += oracle is not None and oracle < full
+    return below, oracle_below
 
 
 #: `IceCacheConfig` fields that neither full attention nor the exact oracle (every token its own page) reads:
@@ -120,6 +139,7 @@ def run_diagnose(args: Any) -> int:
     if not records:
         raise ConfigError(f"--diagnose: {out / 'predictions.jsonl'} holds no predictions yet")
     references = getattr(args, "references", None)
+    own_count = len(records)
     if references:
         records = list(records) + reference_records(run, records, Path(references))
     config = IceCacheConfig(**run["config"])
@@ -139,7 +159,7 @@ def run_diagnose(args: Any) -> int:
     table = diagnosis_markdown(records, rows, targets)
     tmp = out / "diagnosis.md.tmp"
     command = f"icecache eval ruler --out {out} --diagnose '{args.diagnose}'" + (f" --references {references}" if references else "")
-    tmp.write_text(f"Loss classes of `{out}` ({len(records)} predictions{', full and exact from ' + str(references) if references else ''}; `{command}`).\n"
+    tmp.write_text(f"Loss classes of `{out}` ({own_count} predictions{f', {len(records) - own_count} full and exact rows from {references}' if references else ''}; `{command}`).\n"
                    "A lost sample that full attention or the exact oracle has not run yet is not classified.\n\n" + table)
     os.replace(tmp, out / "diagnosis.md")
     print(table)
