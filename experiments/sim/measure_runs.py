@@ -13,6 +13,11 @@ step (cumulative stats divided by ``steps``). After one warm-up generation per v
 allocator), the grid is measured ``--repeats`` times, in rounds, each round in its own shuffled order, so the
 machine's slow drift does not line up with the grid; every run goes to ``--raw`` (default ``<out>.raw.jsonl``) as
 it finishes (``--resume`` continues from it) and ``<out>`` gets one row per configuration: the medians over its repeats.
+
+``--probe`` times a fixed short workload (full attention, 1,024-token prompt, 16 steps: `icecache.measure.drift`)
+just before every run and keeps it in the run's row; ``--rescale-drift`` then writes ``<out>`` from every repeat
+rescaled to the session's median probe speed (raw timings kept in each row's ``raw_timings``). A finished run
+file can be rescaled again without measuring: ``--resume --rescale-drift`` with the same grid.
 """
 
 from __future__ import annotations
@@ -88,10 +93,24 @@ def measure_one(model: Any, tokenizer: Any, variant: str, context: int, budget: 
     return row
 
 
+def rescale_all(runs: dict[tuple[int, int], dict[str, Any]]) -> dict[tuple[int, int], dict[str, Any]]:
+    """Every run at the session's median probe speed (`icecache.measure.drift`); refuses runs without a probe."""
+    from icecache.measure.drift import SpeedProbe, drift_factors, rescaled_run
+
+    keys = sorted(runs)
+    missing = [k for k in keys if "probe" not in runs[k]]
+    if missing:
+        raise SystemExit(f"--rescale-drift: {len(missing)} runs have no probe (measured without --probe)")
+    factors = drift_factors([SpeedProbe(**runs[k]["probe"]) for k in keys])
+    return {k: rescaled_run(runs[k], *f) for k, f in zip(keys, factors)}
+
+
 def median_run(reps: list[dict[str, Any]]) -> dict[str, Any]:
     """One configuration's repeats -> one row: TPOT, TT2T, TTFT and every per-step stage time are the medians
     over the repeats (each separately); the repeats' values stay listed (``repeats_*``)."""
-    row = {k: v for k, v in reps[0].items() if k not in ("round", "grid_index", "loadavg")}
+    row = {k: v for k, v in reps[0].items() if k not in ("round", "grid_index", "loadavg", "probe", "raw_timings", "drift_factors")}
+    if "drift_factors" in reps[0]:
+        row["repeats_drift_factors"] = [r["drift_factors"] for r in reps]
     if len(reps) == 1:
         return row
     for key in ("tpot_s", "tt2t_s", "ttft_s"):
@@ -118,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resume", action="store_true",
                     help="keep the runs already in the --raw file and measure only the rest")
     ap.add_argument("--quick", action="store_true", help="contexts 1024,4096; budget 256; page 16; threads 2")
+    ap.add_argument("--probe", action="store_true", help="time the speed probe just before every run (about 2 s each)")
+    ap.add_argument("--rescale-drift", action="store_true",
+                    help="write <out> from the runs rescaled to the session's median probe speed (needs --probe runs)")
     args = ap.parse_args(argv)
     if args.quick:
         args.contexts, args.budgets, args.page_sizes, args.threads = "1024,4096", "256", "16", "2"
@@ -146,8 +168,14 @@ def main(argv: list[str] | None = None) -> int:
             done[(r["round"], r["grid_index"])] = r
         print(f"resuming: {len(done)} runs already in {raw_path}", flush=True)
     print(f"{len(grid)} configurations x {args.repeats} rounds; warm-up ...", flush=True)
-    for v in args.variants.split(","):  # every path once (allocators, numba compilation, first-call costs)
-        measure_one(model, tokenizer, v, 512, 64, 16, 1, args.new_tokens // 4 or 2, None)
+    from icecache.measure.drift import PROBE_CONTEXT, measure_probe
+
+    probe_prompt = prompt_of(tokenizer, PROBE_CONTEXT)
+    if len(done) < len(grid) * args.repeats:
+        for v in args.variants.split(","):  # every path once (allocators, numba compilation, first-call costs)
+            measure_one(model, tokenizer, v, 512, 64, 16, 1, args.new_tokens // 4 or 2, None)
+        if args.probe:
+            measure_probe(model, tokenizer, probe_prompt)
     t0 = time.perf_counter()
     total = len(grid) * args.repeats
     with raw_path.open("a" if done else "w") as fh:
@@ -160,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                 if (rnd, i) in done:
                     continue
                 v, c, b, p, t = grid[i]
+                probe = measure_probe(model, tokenizer, probe_prompt).to_dict() if args.probe else None
                 trace = Path(args.traces_dir) / f"{v}_n{c}_b{b}_p{p}_t{t}.jsonl" if (args.traces_dir and v != "full" and rnd == 0) else None
                 row = measure_one(model, tokenizer, v, c, b, p, t, args.new_tokens, trace)
                 if trace is not None and trace.is_file():  # commit-sized: traces compress ~8x
@@ -167,11 +196,18 @@ def main(argv: list[str] | None = None) -> int:
                         shutil.copyfileobj(src, dst)
                     trace.unlink()
                 row.update(round=rnd, grid_index=i, loadavg=list(os.getloadavg()))
+                if probe is not None:
+                    row["probe"] = probe
                 done[(rnd, i)] = row
                 fh.write(json.dumps(row) + "\n")
                 fh.flush()
                 print(f"[{len(done)}/{total}] round {rnd} {v} n={c} B={b} P={p} T={t}: TPOT {row['tpot_s'] * 1e3:.1f} ms, "
                       f"TT2T {row['tt2t_s']:.2f} s ({time.perf_counter() - t0:.0f} s)", flush=True)
+    if args.rescale_drift:
+        done = rescale_all(done)
+        spread = sorted(r["drift_factors"][1] for r in done.values())
+        print(f"rescaled to the median probe: decode factors {spread[0]:.2f}-{spread[-1]:.2f} "
+              f"(10th-90th percentile {spread[len(spread) // 10]:.2f}-{spread[(9 * len(spread)) // 10]:.2f})")
     with out.open("w") as fh:
         for i in range(len(grid)):
             reps = [done[(rnd, i)] for rnd in range(args.repeats)]

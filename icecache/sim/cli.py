@@ -84,7 +84,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from icecache.sim.inputs import check_writable, load_profile
     from icecache.sim.profile import default_runs_path
     from icecache.sim.simulator import Simulator
-    from icecache.sim.validate import read_runs, recorded_command, validate, validation_hit_model, write_report
+    from icecache.sim.validate import drift_note, read_runs, recorded_command, validate, validation_hit_model, write_report
 
     out = Path(args.out) if args.out else None
     if out is not None:
@@ -93,7 +93,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     hit, hit_note, traced = validation_hit_model(runs, args.hit, args.holdout, args.extrapolation)
     sim = Simulator(load_profile(args.profile), hit, args.extrapolation)
     report = validate(runs, sim, args.holdout, traced=traced)
-    report.notes = [n for n in (f"command: `{recorded_command(args.argv, args.runs)}`", hit_note) if n]
+    report.notes = [n for n in (f"command: `{recorded_command(args.argv, args.runs)}`", hit_note, drift_note(runs)) if n]
     print(report.to_markdown())
     if out is not None:
         md, js = write_report(report, out)

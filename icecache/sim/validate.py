@@ -112,6 +112,16 @@ class MeasuredRun:
         return SimConfig(**kw)
 
 
+def drift_note(runs: Sequence[MeasuredRun]) -> str | None:
+    """A line saying the runs were rescaled for the machine's drift (``repeats_drift_factors``, written by
+    ``measure_runs.py --rescale-drift``) and by how much; None for raw runs."""
+    factors = sorted(f[1] for r in runs for f in r.extra.get("repeats_drift_factors", []))
+    if not factors:
+        return None
+    return (f"runs rescaled to the session's median speed probe (decode factors {factors[0]:.2f}-{factors[-1]:.2f}, "
+            f"median {statistics.median(factors):.2f}, over {len(factors)} repeats; raw timings in the raw runs file)")
+
+
 def read_runs(path: str | Path) -> list[MeasuredRun]:
     """Read measured runs (JSON lines; blank lines skipped)."""
     p = Path(path)
