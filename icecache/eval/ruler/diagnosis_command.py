@@ -50,7 +50,9 @@ def parse_targets(text: str) -> list[tuple[str, str]]:
 def diagnosis_markdown(records: Sequence[dict[str, Any]], rows: Sequence[dict[str, Any]],
                        targets: Sequence[tuple[str, str]]) -> str:
     """Class counts per length and target: lost samples, how many were classified, and each class."""
-    scores = {(r["task"], str(r["length"]), str(r["index"]), r["method"], str(r["budget"])): r["score"] for r in records}
+    from icecache.eval.ruler.diagnose import row_key
+
+    scores = {row_key(r): r["score"] for r in records}
     lines = ["| length | method@budget | samples | lost | classified | " + " | ".join(CLASSES)
              + " | search / pages / oracle answer recall (misses) | below full (exact too) |",
              "|---|---|---|---|---|" + "---|" * len(CLASSES) + "---|---|"]
@@ -75,9 +77,11 @@ def _below_full(mine: Sequence[dict[str, Any]], scores: dict[tuple[str, ...], fl
     """How many of ``mine`` scored below full attention on the same sample (partial credit counts: a sample
     full answers half of and the method none of is below), and of those, how many the exact oracle at the same
     budget also scored below full. Samples full has not run are left out."""
+    from icecache.eval.ruler.diagnose import row_key
+
     below = oracle_below = 0
     for r in mine:
-        key = (r["task"], str(r["length"]), str(r["index"]))
+        key = row_key(r)[:3]  # (task, length, index)
         full = scores.get((*key, "full", "-"))
         if full is None or r["score"] >= full:
             continue
