@@ -186,6 +186,23 @@ def _ruler_averages(d: Path) -> str:
     return "; ".join(out)
 
 
+#: companion folders of a run (``<run><suffix>``): the same samples answered with other settings, no full rows
+RULER_COMPANIONS = {"_variants": "variants", "_settings": "with the model's settings"}
+
+
+def _ruler_companion_rows(d: Path, label: str) -> str:
+    """A companion folder's rows (every method but full attention and the exact oracle), averaged per length,
+    with the sample count."""
+    avg = [r for r in read_csv(d / "results.csv") if r["task"] == "average" and r["method"] not in ("full", "exact")]
+    out = []
+    for length in sorted({int(r["length"]) for r in avg}):
+        rs = [r for r in avg if int(r["length"]) == length]
+        cells = [f"{r['method']}@{r['budget']} {float(r['score']):.1f}" for r in rs]
+        out.append(f"{klabel(length, 1024)}: {', '.join(cells)} ({min(int(r['samples']) for r in rs)} samples)")
+    state = ", running" if (d / "results.md").read_text().startswith("Partial run") else ""
+    return f"{label} ({link(f'experiments/ruler/{d.name}/')}{state}) " + "; ".join(out)
+
+
 def ruler_run(d: Path) -> str:
     """One RULER folder: its averages when final, else 'running (N finished units)' and, when a partial snapshot
     wrote its tables, the averages so far."""
@@ -199,17 +216,31 @@ def ruler_run(d: Path) -> str:
     return f"{link(f'experiments/ruler/{d.name}/')}: " + _ruler_averages(d)
 
 
+def _ruler_run_order(d: Path) -> tuple[str, int, str]:
+    """Runs by model, then context length (``gemma_4k`` before ``gemma_16k``), then name."""
+    m = re.match(r"(.*?)_(\d+)k(.*)$", d.name)
+    return (m.group(1), int(m.group(2)), m.group(3)) if m else (d.name, 0, "")
+
+
 def row_ruler() -> tuple[str, str, str]:
     base = EXP / "ruler"
     # shared_prefill_* runs time the shared prefill (2 samples per task), kvpress_*_check runs cross-check one
     # baseline on a few samples, and runs without full attention's rows are ablations of one method (e.g.
     # gemma_8k_page4/): none is a results table
-    runs = sorted(d for d in base.iterdir() if d.is_dir() and (d / "predictions.jsonl").exists()
+    runs = sorted((d for d in base.iterdir() if d.is_dir() and (d / "predictions.jsonl").exists()
                   and not d.name.startswith("shared_prefill") and not d.name.endswith("_check")
-                  and '"method": "full"' in (d / "predictions.jsonl").read_text()) if base.is_dir() else []
+                  and '"method": "full"' in (d / "predictions.jsonl").read_text()), key=_ruler_run_order) if base.is_dir() else []
     if not runs:
         return ("RULER accuracy (average score x100)", "`icecache eval ruler`", "not run yet")
-    return ("RULER accuracy (average score x100)", link("experiments/ruler/", full=True), "; ".join(ruler_run(d) for d in runs))
+    cells = []
+    for d in runs:
+        cell = ruler_run(d)
+        for suffix, label in RULER_COMPANIONS.items():
+            companion = base / f"{d.name}{suffix}"
+            if (companion / "results.csv").exists() and (companion / "results.md").exists():
+                cell += "; " + _ruler_companion_rows(companion, label)
+        cells.append(cell)
+    return ("RULER accuracy (average score x100)", link("experiments/ruler/", full=True), "; ".join(cells))
 
 
 def row_index() -> tuple[str, str, str]:

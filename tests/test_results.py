@@ -56,3 +56,29 @@ def test_ruler_row_running_missing_and_final(tmp_path, monkeypatch):
     assert r._pending(row.format(running)) == r._pending(row.format(running.replace("(2 finished", "(9 finished")))
     assert r._pending(row.format("not run yet")) == r._pending(row.format(running))
     assert r._pending(row.format(final)) != r._pending(row.format(running))
+
+
+def test_ruler_row_appends_a_runs_companion_folders(tmp_path, monkeypatch):
+    r = _results()
+    monkeypatch.setattr(r, "EXP", tmp_path)
+    run = tmp_path / "ruler" / "gemma_4k"
+    run.mkdir(parents=True)
+    (run / "predictions.jsonl").write_text(json.dumps({"task": "a", "length": 4096, "index": 0, "method": "full",
+                                                       "budget": "-", "score": 1.0}) + "\n")
+    (run / "run.json").write_text(json.dumps({"model": "gemma-3-270m"}))
+    (run / "results.md").write_text("Predictions: 1 units in `predictions.jsonl`.\n")
+    (run / "results.csv").write_text("length,method,budget,task,score,ci_low,ci_high,samples\n"
+                                     "4096,full,-,average,50.0,40.0,60.0,10\n")
+    settings = tmp_path / "ruler" / "gemma_4k_settings"  # no full rows: not a run of its own
+    settings.mkdir()
+    (settings / "predictions.jsonl").write_text(json.dumps({"task": "a", "length": 4096, "index": 0,
+                                                            "method": "icecache", "budget": "64", "score": 1.0}) + "\n")
+    (settings / "results.md").write_text("Partial run (in progress, resumable): 1 records.\n")
+    (settings / "results.csv").write_text("length,method,budget,task,score,ci_low,ci_high,samples\n"
+                                          "4096,icecache,64,average,44.0,30.0,50.0,3\n"
+                                          "4096,exact,64,average,47.0,30.0,50.0,3\n"
+                                          "4096,quest,256,average,41.5,30.0,50.0,2\n")
+    row = r.row_ruler()[2]
+    assert row.count("[`gemma_4k_settings/`]") == 1 and row.count("Gemma-3-270M 4k") == 1
+    assert row.endswith("; with the model's settings ([`gemma_4k_settings/`](experiments/ruler/gemma_4k_settings/), "
+                        "running) 4k: icecache@64 44.0, quest@256 41.5 (2 samples)")
