@@ -57,6 +57,7 @@ bench: setup
 
 # Regenerate README.md's result tables from the committed run files (experiments/results.py; --check to verify).
 results: setup
+	$(PY) experiments/ruler/targets.py >/dev/null
 	$(PY) experiments/results.py
 
 clean-venv:

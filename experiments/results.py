@@ -240,7 +240,10 @@ def row_ruler() -> tuple[str, str, str]:
             if (companion / "results.csv").exists() and (companion / "results.md").exists():
                 cell += "; " + _ruler_companion_rows(companion, label)
         cells.append(cell)
-    return ("RULER accuracy (average score x100)", link("experiments/ruler/", full=True), "; ".join(cells))
+    text = "; ".join(cells)
+    if (base / "targets.md").exists():  # experiments/ruler/targets.py: each target's verdict per model and length
+        text += f"; every target per model and length: {link('experiments/ruler/targets.md')}"
+    return ("RULER accuracy (average score x100)", link("experiments/ruler/", full=True), text)
 
 
 def row_index() -> tuple[str, str, str]:

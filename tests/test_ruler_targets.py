@@ -1,0 +1,87 @@
+"""Issue 23's target table is computed from the committed RULER runs (experiments/ruler/targets.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "experiments" / "ruler" / "targets.py"
+
+
+def _targets():
+    spec = importlib.util.spec_from_file_location("experiments_ruler_targets", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up while the class is made
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_targets_md_matches_the_committed_runs():
+    out = subprocess.run([sys.executable, str(SCRIPT), "--check"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+scores = st.lists(st.sampled_from([0.0, 0.25, 0.5, 1.0]), min_size=2, max_size=8)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(scores, scores), min_size=1, max_size=3))
+def test_paired_statistic_point_is_the_direct_mean_and_inside_its_interval(tasks):
+    t = _targets()
+    a, b = {}, {}
+    for task_index, (va, vb) in enumerate(tasks):
+        for i, (x, y) in enumerate(zip(va, vb)):
+            a[(f"t{task_index}", i)] = x
+            b[(f"t{task_index}", i)] = y
+    samples = set(a)
+    diff, low, high = t.paired_statistic(a, b, samples, ratio=False, draws=400)
+    assert abs(diff - sum(a[s] - b[s] for s in samples) / len(samples)) < 1e-12
+    assert low <= high
+    assert min(a[s] - b[s] for s in samples) - 1e-12 <= low and high <= max(a[s] - b[s] for s in samples) + 1e-12
+    same, low_same, high_same = t.paired_statistic(a, a, samples, ratio=False, draws=400)
+    assert same == low_same == high_same == 0.0  # a row against itself: no difference in any resample
+    if sum(b.values()) > 0:
+        ratio, low_r, high_r = t.paired_statistic(a, b, samples, ratio=True, draws=400)
+        assert abs(ratio - sum(a.values()) / sum(b.values())) < 1e-12
+        assert low_r <= high_r
+
+
+def test_verdicts():
+    t = _targets()
+    assert t.verdict(0.02, 0.0, 0.05, 0.0, 110, 110) == "**met**, settled"
+    assert t.verdict(0.02, -0.01, 0.05, 0.0, 110, 110) == "**met**, within noise"
+    assert t.verdict(-0.003, -0.009, 0.0, 0.0, 110, 110) == "**missed**, within noise"
+    assert t.verdict(0.90, 0.80, 0.94, 0.95, 110, 110) == "**missed**, settled"
+    assert t.verdict(0.90, 0.80, 0.99, 0.95, 70, 110) == "running (missed so far)"
+
+
+def test_render_reads_each_row_from_its_folder(tmp_path):
+    t = _targets()
+
+    def write(folder, records):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    def rec(method, budget, index, score):
+        return {"task": "niah_single_1", "length": 4096, "index": index, "method": method, "budget": budget,
+                "score": score}
+
+    main = [rec(m, b, i, 1.0) for i in range(2) for m, b in [("full", "-"), ("pqcache", "256"), ("snapkv", "256")]]
+    main += [rec("icecache", "256", i, 0.0) for i in range(2)]  # not read: the cell takes IceCache from `adopted`
+    adopted = [rec(m, b, i, 1.0) for i in range(2) for m, b in [("icecache", "256"), ("icecache", "64")]]
+    adopted += [rec("quest", "256", 0, 0.0)]  # Quest finished one sample: the cell reads that one only
+    write("main", main)
+    write("adopted", adopted)
+    cell = t._cell("M", "4k", 2, "main", adopted="adopted")
+    text = t.render(tmp_path, [cell], t.TARGETS)
+    assert "| M | 4k | 1 of 2 | IceCache@256 >= 95% of full | 100.0% [100.0%, 100.0%] | running (met so far) |" in text
+    assert "| M | 4k | 1 of 2 | IceCache@256 >= Quest@256 | +100.0 [+100.0, +100.0] | running (met so far) |" in text
+    empty = t.render(tmp_path, [t._cell("M", "8k", 2, "absent")], t.TARGETS)
+    assert "| M | 8k | 0 of 2 | IceCache@256 >= Quest@256 | - | not run yet |" in empty
