@@ -1,6 +1,6 @@
 """Issue 23's accuracy targets, read from the committed RULER runs: one table, regenerated at every snapshot.
 
-    python experiments/ruler/targets.py           # writes experiments/ruler/targets.md and prints it
+    python experiments/ruler/targets.py           # writes targets.md (printed) and targets_<model>.png
     python experiments/ruler/targets.py --check   # exit 1 when targets.md differs from what the runs give
 
 Each (model, length) cell names the rows it reads (folder, method, budget): the adopted settings' rows for
@@ -94,6 +94,41 @@ TARGETS = [
 ]
 
 
+def cell_records(root: Path, cell: Cell) -> list[dict]:
+    """The records of ``cell``'s rows on the samples all of them finished, each renamed to its role (``icecache``
+    at ``256``, ...), as ``icecache.eval.ruler.report.summarize`` reads them."""
+    length = {"4k": 4096, "8k": 8192, "16k": 16384, "32k": 32768}[cell.length]
+    scores = {role: load_scores(root, row) for role, row in cell.rows.items()}
+    common = set.intersection(*(set(v) for v in scores.values()))
+    records = []
+    for role, values in scores.items():
+        method, _, budget = role.partition("@")
+        records += [{"task": task, "index": index, "length": length, "method": method, "budget": budget or "-",
+                     "score": values[(task, index)]} for task, index in sorted(common)]
+    return records
+
+
+def write_plots(root: Path = HERE, cells: list[Cell] = CELLS) -> list[Path]:
+    """``targets_<model>.png`` for every model with records: RULER's average vs length per row, and each method's
+    average relative to full attention's vs budget (``icecache.eval.ruler.report.plot``). A cell enters once at
+    least half of its samples are finished."""
+    from icecache.eval.ruler.report import plot, summarize
+
+    paths = []
+    for model in dict.fromkeys(cell.model for cell in cells):
+        records = []
+        for cell in cells:
+            if cell.model == model:
+                rows = cell_records(root, cell)
+                if len(rows) >= len(cell.rows) * cell.samples / 2:  # a cell too early in its run would mislead
+                    records += rows
+        if records:
+            path = root / f"targets_{model.lower()}.png"
+            plot(summarize(records), path)
+            paths.append(path)
+    return paths
+
+
 def load_scores(root: Path, row: Row) -> dict[tuple[str, int], float]:
     """``{(task, sample index): score}`` of ``row``; empty when its folder has no records yet."""
     path = root / row.folder / "predictions.jsonl"
@@ -112,28 +147,30 @@ def load_scores(root: Path, row: Row) -> dict[tuple[str, int], float]:
 def paired_statistic(a: dict[tuple[str, int], float], b: dict[tuple[str, int], float],
                      samples: set[tuple[str, int]], ratio: bool, draws: int = DRAWS,
                      seed: int = 0) -> tuple[float, float, float]:
-    """``sum(a) / sum(b)`` (``ratio``) or ``mean(a - b)`` over ``samples``, and its 95% percentile interval from a
-    paired bootstrap that resamples each task's samples with replacement. A ratio with ``sum(b) == 0`` is inf."""
+    """RULER's average (the mean over tasks of each task's mean score) of ``a`` over that of ``b`` (``ratio``), or
+    their difference, on ``samples``; and its 95% percentile interval from a paired bootstrap that resamples each
+    task's samples with replacement. A ratio over a zero average is inf."""
     tasks = sorted({t for t, _ in samples})
     rng = np.random.default_rng(seed)
-    sum_a = np.zeros(draws)
-    sum_b = np.zeros(draws)
+    avg_a = np.zeros(draws)
+    avg_b = np.zeros(draws)
+    point_a = point_b = 0.0
     for task in tasks:
         keys = sorted(s for s in samples if s[0] == task)
         va = np.array([a[k] for k in keys])
         vb = np.array([b[k] for k in keys])
         pick = rng.integers(0, len(keys), size=(draws, len(keys)))
-        sum_a += va[pick].sum(axis=1)
-        sum_b += vb[pick].sum(axis=1)
-    total_a = sum(a[s] for s in samples)
-    total_b = sum(b[s] for s in samples)
+        avg_a += va[pick].mean(axis=1) / len(tasks)
+        avg_b += vb[pick].mean(axis=1) / len(tasks)
+        point_a += float(va.mean()) / len(tasks)
+        point_b += float(vb.mean()) / len(tasks)
     if ratio:
-        with np.errstate(divide="ignore", invalid="ignore"):
-            stats = np.where(sum_b > 0, sum_a / np.where(sum_b > 0, sum_b, 1), np.inf)
-        point = total_a / total_b if total_b > 0 else float("inf")
+        stats = np.full(draws, np.inf)
+        np.divide(avg_a, avg_b, out=stats, where=avg_b > 0)
+        point = point_a / point_b if point_b > 0 else float("inf")
     else:
-        stats = (sum_a - sum_b) / len(samples)
-        point = (total_a - total_b) / len(samples)
+        stats = avg_a - avg_b
+        point = point_a - point_b
     stats.sort()
     return point, float(stats[int(0.025 * draws)]), float(stats[int(0.975 * draws) - 1])
 
@@ -160,8 +197,8 @@ def render(root: Path = HERE, cells: list[Cell] = CELLS, targets: list[Target] =
         "# Issue 23's targets, read from the runs",
         "",
         "Generated by `python experiments/ruler/targets.py` from the committed `predictions.jsonl` files (do not edit).",
-        "Each cell reads its rows on the samples all of them have finished; a difference is in points of the",
-        "average score x100, a ratio is IceCache's average over full attention's; [95% interval] from a paired",
+        "Each cell reads its rows on the samples all of them have finished; an average is RULER's (the mean over tasks",
+        "of each task's mean score, x100); a difference is in its points, a ratio is IceCache's average over full's; [95% interval] from a paired",
         f"bootstrap resampled within each task ({DRAWS:,} draws). `met` / `missed` is the point estimate against the",
         "threshold; `settled` when the whole interval is on that side, `within noise` when it straddles it;",
         "`running` while a cell has fewer samples than the issue asks for.",
@@ -183,7 +220,9 @@ def render(root: Path = HERE, cells: list[Cell] = CELLS, targets: list[Target] =
             value = f"{_fmt(point, target.ratio)} [{_fmt(low, target.ratio)}, {_fmt(high, target.ratio)}]"
             lines.append(f"| {cell.model} | {cell.length} | {len(common)} of {cell.samples} | {target.name} | {value} | "
                          f"{verdict(point, low, high, target.threshold, len(common), cell.samples)} |")
-    return "\n".join(lines + ["", "Rows read:", ""] + sources) + "\n"
+    plots = ("Plots (`targets_<model>.png`, RULER's average vs length per row and relative to full attention's vs "
+             "budget) show the cells with at least half of their samples finished.")
+    return "\n".join(lines + ["", plots, "", "Rows read:", ""] + sources) + "\n"
 
 
 def main() -> int:
@@ -199,6 +238,8 @@ def main() -> int:
         return 0
     OUT.write_text(text)
     print(text, end="")
+    for path in write_plots():
+        print(f"wrote {path.relative_to(HERE.parents[1])}")
     return 0
 
 
