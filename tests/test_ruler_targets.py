@@ -92,3 +92,16 @@ def test_render_reads_each_row_from_its_folder(tmp_path):
     assert "| M | 4k | 1 of 2 | IceCache@256 >= Quest@256 | +100.0 [+100.0, +100.0] | running (met so far) |" in text
     empty = t.render(tmp_path, [t._cell("M", "8k", 2, "absent")], t.TARGETS)
     assert "| M | 8k | 0 of 2 | IceCache@256 >= Quest@256 | - | not run yet |" in empty
+
+
+def test_a_ratio_over_a_zero_full_average_is_undefined(tmp_path):
+    t = _targets()
+    (tmp_path / "run").mkdir()
+    rows = [("full", "-"), ("icecache", "256"), ("icecache", "64"), ("quest", "256"), ("pqcache", "256"),
+            ("snapkv", "256")]
+    (tmp_path / "run" / "predictions.jsonl").write_text("".join(
+        json.dumps({"task": "niah_single_1", "length": 32768, "index": 0, "method": m, "budget": b, "score": 0.0})
+        + "\n" for m, b in rows))
+    text = t.render(tmp_path, [t._cell("M", "32k", 1, "run")], t.TARGETS)
+    assert "| M | 32k | 1 of 1 | IceCache@256 >= 95% of full | - (full attention's average is 0) | undefined |" in text
+    assert "| M | 32k | 1 of 1 | IceCache@256 >= Quest@256 | +0.0 [+0.0, +0.0] | **met**, settled |" in text

@@ -217,9 +217,14 @@ def render(root: Path = HERE, cells: list[Cell] = CELLS, targets: list[Target] =
                 lines.append(f"| {cell.model} | {cell.length} | 0 of {cell.samples} | {target.name} | - | not run yet |")
                 continue
             point, low, high = paired_statistic(scores[target.a], scores[target.b], common, target.ratio)
-            value = f"{_fmt(point, target.ratio)} [{_fmt(low, target.ratio)}, {_fmt(high, target.ratio)}]"
+            if point == float("inf"):  # full attention answers none of these samples: no ratio to read
+                value, said = "- (full attention's average is 0)", "undefined"
+                said += "" if len(common) >= cell.samples else " so far (running)"
+            else:
+                value = f"{_fmt(point, target.ratio)} [{_fmt(low, target.ratio)}, {_fmt(high, target.ratio)}]"
+                said = verdict(point, low, high, target.threshold, len(common), cell.samples)
             lines.append(f"| {cell.model} | {cell.length} | {len(common)} of {cell.samples} | {target.name} | {value} | "
-                         f"{verdict(point, low, high, target.threshold, len(common), cell.samples)} |")
+                         f"{said} |")
     plots = ("Plots (`targets_<model>.png`, RULER's average vs length per row and relative to full attention's vs "
              "budget) show the cells with at least half of their samples finished.")
     return "\n".join(lines + ["", plots, "", "Rows read:", ""] + sources) + "\n"
