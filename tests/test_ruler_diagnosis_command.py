@@ -60,9 +60,10 @@ def test_losses_are_classified_once_and_a_rerun_skips_them():
     replayed = next(r for r in rows if r["index"] == 0)
     assert replayed["steps"] >= 1
     assert all(0.0 <= replayed[k] <= 1.0 for k in ("search_recall", "pages_recall", "oracle_recall"))
+    recomputed = []
     again = diagnose_losses(model, tok, records, "icecache", "32", seed=42, config=config, chat_template=False,
-                            progress=False, done={row_key(r) for r in rows})
-    assert again == []
+                            progress=False, previous={row_key(r): r for r in rows}, on_row=recomputed.append)
+    assert recomputed == [] and sorted(again, key=lambda r: r["index"]) == sorted(rows, key=lambda r: r["index"])
     table = diagnosis_markdown(records, rows, [("icecache", "32")])
     line = next(x for x in table.splitlines() if "icecache@32" in x)
     cells = [c.strip() for c in line.strip("|").split("|")]
@@ -158,3 +159,47 @@ def test_below_full_counts_partial_credit():
                _record(3, "quest", "64", 0.0)]  # full has not run it: left out
     line = next(x for x in diagnosis_markdown(records, [], [("quest", "64")]).splitlines() if "quest@64" in x)
     assert line.rstrip("| ").endswith("2 (1)")
+
+
+def test_stored_rows_are_reclassified_and_only_a_missing_replay_is_run_again(monkeypatch):
+    """Rows of an earlier rule are re-classified from their scores; a partial-credit loss that full attention
+    and the oracle both beat, stored as ``model`` without a replay, is replayed now."""
+    import icecache.eval.ruler.diagnose as diagnose
+
+    replays = []
+    monkeypatch.setattr(diagnose, "replay", lambda *a, **k: replays.append(1) or diagnose.Replay(0.2, 0.9, 1.0, 3))
+    model = make_tiny_llama(seed=5, max_position_embeddings=8192)
+    records = [_record(0, "full", "-", 0.5), _record(0, "exact", "32", 0.5), _record(0, "icecache", "32", 0.0),
+               _record(1, "full", "-", 0.5), _record(1, "exact", "32", 0.25), _record(1, "icecache", "32", 0.25)]
+    stored = [{**_record(0, "icecache", "32", 0.0), "full": 0.5, "oracle": 0.5, "class": "model"},
+              {**_record(1, "icecache", "32", 0.25), "full": 0.5, "oracle": 0.25, "class": "model"}]
+    config = IceCacheConfig(budget=32, page_size=8, sink=4, window=32, dense_layers=(0,), threads=1, index="sequential")
+    recomputed = []
+    rows = diagnose_losses(model, OffsetCharTokenizer(), records, "icecache", "32", seed=42, config=config,
+                           chat_template=False, progress=False, previous={row_key(r): r for r in stored},
+                           on_row=recomputed.append)
+    classes = {r["index"]: r["class"] for r in rows}
+    assert classes == {0: "search miss", 1: "budget"} and len(replays) == 1
+    assert [r["index"] for r in recomputed] == [0] and recomputed[0]["search_recall"] == 0.2
+
+
+def test_the_command_rewrites_one_row_per_sample(tmp_path, monkeypatch):
+    import icecache.eval.ruler.diagnose as diagnose
+    import icecache.runtime.models as models
+
+    monkeypatch.setattr(diagnose, "replay", lambda *a, **k: diagnose.Replay(0.2, 0.9, 1.0, 3))
+    monkeypatch.setattr(models, "load_model", lambda name: (make_tiny_llama(seed=5, max_position_embeddings=8192),
+                                                            OffsetCharTokenizer()))
+    config = {"budget": 32, "page_size": 8, "sink": 4, "window": 32, "dense_layers": [0], "threads": 1, "index": "sequential"}
+    records = [_record(0, "full", "-", 0.5), _record(0, "exact", "32", 0.5), _record(0, "icecache", "32", 0.0),
+               _record(1, "full", "-", 0.0), _record(1, "exact", "32", 0.0), _record(1, "icecache", "32", 0.0)]
+    _write_run(tmp_path / "run", config, records, chat_template=False)
+    old = {**_record(1, "icecache", "32", 0.0), "full": 0.0, "oracle": 0.0, "class": "budget"}
+    other = {**_record(1, "quest", "32", 0.0), "full": 0.0, "oracle": 0.0, "class": "model"}  # not diagnosed now: kept
+    (tmp_path / "run" / "diagnosis.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (old, old, other)))
+    assert run_diagnose(_args(tmp_path / "run", diagnose="icecache@32")) == 0
+    rows = [json.loads(x) for x in (tmp_path / "run" / "diagnosis.jsonl").read_text().splitlines()]
+    assert sorted((r["method"], r["index"], r["class"]) for r in rows) == [
+        ("icecache", 0, "search miss"), ("icecache", 1, "model"), ("quest", 1, "model")]
+    assert "| 3000 | icecache@32 | 2 | 2 | 2 | 1 | 0 | 0 | 1 |" in (tmp_path / "run" / "diagnosis.md").read_text()
+    assert not list((tmp_path / "run").glob("*.tmp"))

@@ -6,29 +6,18 @@
 A folder written ``DIR=PREFIX`` gives its rows that prefix (two runs of the same method with different settings,
 e.g. the pages-of-4 run's ``icecache``). A row is ``METHOD@BUDGET`` (``full@-``). Prints one line per row.
 ``--paired A,B`` (repeatable; both rows among ``--rows``) adds a paired bootstrap of A minus B on the same samples,
-resampled within each task (``--draws``, seed 0): the mean difference x100, its 95% interval and how many samples
-each row wins.
+resampled within each task (``--draws``, seed 0; ``targets.paired_statistic``, the one `targets.md` reads): the
+difference of RULER's averages (the mean over tasks of each task's mean) x100, its 95% interval and how many
+samples each row wins.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import random
 from pathlib import Path
 
-
-def paired_bootstrap(a: dict[tuple[str, int], float], b: dict[tuple[str, int], float], samples: set[tuple[str, int]],
-                     draws: int, seed: int = 0) -> tuple[float, float, float]:
-    """Mean of ``a - b`` over ``samples`` and its 95% percentile interval, resampling each task's samples."""
-    by_task: dict[str, list[float]] = {}
-    for s in sorted(samples):
-        by_task.setdefault(s[0], []).append(a[s] - b[s])
-    diffs = [d for v in by_task.values() for d in v]
-    rng = random.Random(seed)
-    means = sorted(sum(d for v in by_task.values() for d in rng.choices(v, k=len(v))) / len(diffs)
-                   for _ in range(draws))
-    return sum(diffs) / len(diffs), means[int(0.025 * draws)], means[int(0.975 * draws) - 1]
+from targets import DRAWS, paired_statistic  # this folder is on the path when the script runs
 
 
 def main() -> int:
@@ -36,7 +25,7 @@ def main() -> int:
     ap.add_argument("dirs", nargs="+")
     ap.add_argument("--rows", required=True)
     ap.add_argument("--paired", action="append", default=[], metavar="A,B")
-    ap.add_argument("--draws", type=int, default=4000)
+    ap.add_argument("--draws", type=int, default=DRAWS)
     args = ap.parse_args()
     scores: dict[tuple[str, str], dict[tuple[str, int], float]] = {}
     for spec in args.dirs:
@@ -60,7 +49,7 @@ def main() -> int:
             raise SystemExit(f"--paired {pair}: both rows must be among --rows")
         if not common:
             raise SystemExit("no sample finished by every row")
-        mean, low, high = paired_bootstrap(scores[a], scores[b], common, args.draws)
+        mean, low, high = paired_statistic(scores[a], scores[b], common, ratio=False, draws=args.draws)
         wins = sum(scores[a][s] > scores[b][s] for s in common)
         losses = sum(scores[a][s] < scores[b][s] for s in common)
         print(f"{pair.replace(',', ' - ')}: {100 * mean:+.1f} [{100 * low:+.1f}, {100 * high:+.1f}] "

@@ -2,9 +2,11 @@
 
 Reads ``DIR/run.json`` (the run's model, data seed, chat template and `IceCacheConfig`) and
 ``DIR/predictions.jsonl``; replays every sample that a ``method@budget`` lost while full attention and the
-exact oracle answered it (`icecache.eval.ruler.diagnose`). Each classified sample is appended to
-``DIR/diagnosis.jsonl`` as it finishes (a re-run skips them), and ``DIR/diagnosis.md`` holds the class
-counts per length and ``method@budget``, and how many samples scored below full attention's own (partial) score.
+exact oracle both scored higher (`icecache.eval.ruler.diagnose`). Each classified sample is appended to
+``DIR/diagnosis.jsonl`` as it finishes; a re-run re-classifies the rows there from their scores and replays
+only what they lack, and the file is rewritten with one row per sample at the end. ``DIR/diagnosis.md`` holds
+the class counts per length and ``method@budget``, and how many samples scored below full attention's own
+(partial) score.
 
 ``--references RUN`` takes the full and exact rows from another run of the same samples (same model, data
 seed, chat template and every `IceCacheConfig` field that full attention and the exact oracle use), for a run
@@ -64,7 +66,7 @@ def diagnosis_markdown(records: Sequence[dict[str, Any]], rows: Sequence[dict[st
             lost = sum(r["score"] < 1.0 for r in mine)
             done = [d for d in rows if int(d["length"]) == length and d["method"] == method and d["budget"] == budget]
             counts = Counter(d["class"] for d in done)
-            replays = [d for d in done if "search_recall" in d]
+            replays = [d for d in done if d["class"] in ("page miss", "search miss") and "search_recall" in d]
             recall = (" / ".join(f"{sum(d[k] for d in replays) / len(replays):.2f}" for k in ("search_recall", "pages_recall", "oracle_recall"))
                       if replays else "-")
             below, oracle_below = _below_full(mine, scores, budget)
@@ -150,16 +152,21 @@ def run_diagnose(args: Any) -> int:
     model, tokenizer = load_model(run["model"])
     chat = run["chat_template"] if run["chat_template"] is not None else bool(getattr(tokenizer, "chat_template", None))
     diag_path = out / "diagnosis.jsonl"
-    rows = read_jsonl(diag_path)
+    stored = {row_key(r): r for r in read_jsonl(diag_path)}  # the last row of a sample wins
 
     def append(row: dict[str, Any]) -> None:
         with open(diag_path, "a") as f:
             f.write(json.dumps(row) + "\n")
-        rows.append(row)
 
     for method, budget in targets:
-        diagnose_losses(model, tokenizer, records, method, budget, seed=run["seed"], config=config, chat_template=chat,
-                        progress=not args.json, done={row_key(r) for r in rows}, on_row=append)
+        fresh = diagnose_losses(model, tokenizer, records, method, budget, seed=run["seed"], config=config,
+                                chat_template=chat, progress=not args.json, previous=stored, on_row=append)
+        stored = {k: r for k, r in stored.items() if k[3:] != (method, budget)}  # this target's rows are `fresh`
+        stored.update((row_key(r), r) for r in fresh)
+    rows = list(stored.values())
+    tmp_rows = out / "diagnosis.jsonl.tmp"
+    tmp_rows.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    os.replace(tmp_rows, diag_path)
     table = diagnosis_markdown(records, rows, targets)
     tmp = out / "diagnosis.md.tmp"
     command = f"icecache eval ruler --out {out} --diagnose '{args.diagnose}'" + (f" --references {references}" if references else "")
