@@ -33,7 +33,6 @@ sample full attention answers in part and the method less (Gemma-3 at 16k, fwe: 
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -245,7 +244,3 @@ def row_key(record: dict[str, Any]) -> tuple[str, ...]:
     """(task, length, index, method, budget) of a prediction or diagnosis row, as strings."""
     return tuple(str(record[k]) for k in ("task", "length", "index", "method", "budget"))
 
-
-def class_counts(rows: list[dict[str, Any]]) -> dict[str, int]:
-    counts = Counter(r["class"] for r in rows)
-    return {c: counts.get(c, 0) for c in ("model", "budget", "page miss", "search miss")}
