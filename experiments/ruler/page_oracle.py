@@ -57,22 +57,17 @@ def main() -> int:
     parser.add_argument("samples", nargs="+", help="TASK#INDEX")
     args = parser.parse_args()
 
-    from icecache.core.config import IceCacheConfig
-    from icecache.eval.harness import decode_greedy, run_prefill
+    from selection_recall import load_run, prefill_sample
+
+    from icecache.eval.harness import decode_greedy
     from icecache.eval.methods import get_method
-    from icecache.eval.ruler import make_sample, score_sample
-    from icecache.runtime.models import load_model
+    from icecache.eval.ruler import score_sample
 
     register()
-    run = json.loads((args.run / "run.json").read_text())
-    config = IceCacheConfig(**run["config"]).replace(budget=args.budget)
-    model, tok = load_model(run["model"])
-    chat = run["chat_template"] if run["chat_template"] is not None else bool(getattr(tok, "chat_template", None))
+    model, tok, run, config = load_run(args.run, args.budget)
     for item in args.samples:
-        task, _, index = item.partition("#")
         start = time.time()
-        sample = make_sample(task, tok, args.length, seed=run["seed"], index=int(index), chat_template=chat)
-        prefill = run_prefill(model, tok(sample.prompt, return_tensors="pt")["input_ids"], obs_window=config.window)
+        sample, prefill = prefill_sample(model, tok, run, config, item, args.length)
         row: dict = {"sample": item}
         for method in ("quest", "icecache:token_pages_exact"):
             cache = get_method(method).cache(model, prefill, config)

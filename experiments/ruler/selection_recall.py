@@ -18,8 +18,31 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 METHODS = ("exact", "quest", "icecache")
+
+
+def load_run(run_dir: Path, budget: int) -> tuple[Any, Any, dict, Any]:
+    """The model and tokenizer of a RULER run's ``run.json``, the run itself, and its `IceCacheConfig` at ``budget``."""
+    from icecache.core.config import IceCacheConfig
+    from icecache.runtime.models import load_model
+
+    run = json.loads((run_dir / "run.json").read_text())
+    model, tok = load_model(run["model"])
+    if run["chat_template"] is None:
+        run = {**run, "chat_template": bool(getattr(tok, "chat_template", None))}
+    return model, tok, run, IceCacheConfig(**run["config"]).replace(budget=budget)
+
+
+def prefill_sample(model: Any, tok: Any, run: dict, config: Any, item: str, length: int) -> tuple[Any, Any]:
+    """``TASK#INDEX`` of the run at ``length`` tokens: the sample and its dense prefill."""
+    from icecache.eval.harness import run_prefill
+    from icecache.eval.ruler import make_sample
+
+    task, _, index = item.partition("#")
+    sample = make_sample(task, tok, length, seed=run["seed"], index=int(index), chat_template=run["chat_template"])
+    return sample, run_prefill(model, tok(sample.prompt, return_tensors="pt")["input_ids"], obs_window=config.window)
 
 
 def main() -> int:
@@ -30,22 +53,15 @@ def main() -> int:
     parser.add_argument("samples", nargs="+", help="TASK#INDEX")
     args = parser.parse_args()
 
-    from icecache.core.config import IceCacheConfig
-    from icecache.eval.harness import clone_kv, decode_greedy, run_prefill
+    from icecache.eval.harness import clone_kv, decode_greedy
     from icecache.eval.methods import get_method
-    from icecache.eval.ruler import make_sample, score_sample
+    from icecache.eval.ruler import score_sample
     from icecache.eval.ruler.diagnose import answer_positions, replay
-    from icecache.runtime.models import load_model
 
-    run = json.loads((args.run / "run.json").read_text())
-    config = IceCacheConfig(**run["config"]).replace(budget=args.budget)
-    model, tok = load_model(run["model"])
-    chat = run["chat_template"] if run["chat_template"] is not None else bool(getattr(tok, "chat_template", None))
+    model, tok, run, config = load_run(args.run, args.budget)
     for item in args.samples:
-        task, _, index = item.partition("#")
         start = time.time()
-        sample = make_sample(task, tok, args.length, seed=run["seed"], index=int(index), chat_template=chat)
-        prefill = run_prefill(model, tok(sample.prompt, return_tensors="pt")["input_ids"], obs_window=config.window)
+        sample, prefill = prefill_sample(model, tok, run, config, item, args.length)
         answer = decode_greedy(model, clone_kv(prefill.kv), prefill.last_logits, sample.tokens_to_generate,
                                {tok.eos_token_id},
                                stop_when=lambda t, s=sample: score_sample(s, tok.decode(t, skip_special_tokens=True)) >= 1.0)
