@@ -11,11 +11,9 @@ q.k. ``token_pages_exact`` (registered here, for this experiment only) keeps Que
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -50,14 +48,9 @@ def register() -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--run", type=Path, required=True, help="a RULER run's directory (its run.json)")
-    parser.add_argument("--length", type=int, required=True)
-    parser.add_argument("--budget", type=int, required=True)
-    parser.add_argument("samples", nargs="+", help="TASK#INDEX")
-    args = parser.parse_args()
+    from selection_recall import load_run, parse_args, prefill_sample
 
-    from selection_recall import load_run, prefill_sample
+    args = parse_args(__doc__)
 
     from icecache.eval.harness import decode_greedy
     from icecache.eval.methods import get_method

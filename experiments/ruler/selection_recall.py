@@ -23,6 +23,16 @@ from typing import Any
 METHODS = ("exact", "quest", "icecache")
 
 
+def parse_args(doc: str) -> argparse.Namespace:
+    """``--run DIR --length N --budget B TASK#INDEX...``, the arguments of the scripts that re-answer a run's samples."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--run", type=Path, required=True, help="a RULER run's directory (its run.json)")
+    parser.add_argument("--length", type=int, required=True)
+    parser.add_argument("--budget", type=int, required=True)
+    parser.add_argument("samples", nargs="+", help="TASK#INDEX")
+    return parser.parse_args()
+
+
 def load_run(run_dir: Path, budget: int) -> tuple[Any, Any, dict, Any]:
     """The model and tokenizer of a RULER run's ``run.json``, the run itself, and its `IceCacheConfig` at ``budget``."""
     from icecache.core.config import IceCacheConfig
@@ -46,12 +56,7 @@ def prefill_sample(model: Any, tok: Any, run: dict, config: Any, item: str, leng
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--run", type=Path, required=True, help="a RULER run's directory (its run.json)")
-    parser.add_argument("--length", type=int, required=True)
-    parser.add_argument("--budget", type=int, required=True)
-    parser.add_argument("samples", nargs="+", help="TASK#INDEX")
-    args = parser.parse_args()
+    args = parse_args(__doc__)
 
     from icecache.eval.harness import clone_kv, decode_greedy
     from icecache.eval.methods import get_method
