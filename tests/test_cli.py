@@ -150,6 +150,15 @@ def test_refused_in_one_line(capsys, argv, message):
     assert err.startswith("icecache: error:") and message in err and "\n" not in err and "Traceback" not in err
 
 
+def test_ruler_refuses_an_unknown_model_before_writing(tmp_path, capsys):
+    """A mistyped --model is refused in one line and leaves no half-made run directory behind."""
+    out = tmp_path / "run"
+    assert main(["eval", "ruler", "--model", "no-such-model", "--methods", "full", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("icecache: error: unknown model 'no-such-model'") and "\n" not in err
+    assert not out.exists()
+
+
 def test_no_prefix_abbreviations():
     """`--budget` must not silently mean `--budgets` (argparse's prefix matching is off)."""
     with pytest.raises(SystemExit):

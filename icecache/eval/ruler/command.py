@@ -120,6 +120,9 @@ def run_command(args: argparse.Namespace, config: Any) -> int:
         raise ConfigError("eval ruler needs --out DIR (predictions are appended there, and a re-run resumes)")
     spec = spec_from_args(args, config)
     out = Path(args.out)
+    from icecache.runtime.models import resolve_model_source
+
+    resolve_model_source(spec.model)  # an unknown or missing model is refused before run.json is written
     PredictionLog(out, spec.signature())  # refuses a directory that holds another run, before any model loads
     t0 = time.perf_counter()
     use_ray = args.ray or bool(os.environ.get("RAY_ADDRESS"))
