@@ -31,11 +31,12 @@ def _versions() -> dict[str, str]:
 def _model_info(name: str | None) -> dict[str, Any]:
     from icecache.runtime import models
 
-    key = name or models.DEFAULT_MODEL
+    key = models.model_key(name)
     info: dict[str, Any] = {"name": key}
     spec = models.MODELS.get(key)
     if spec is None:
-        info["source"] = key
+        kind, path, _ = models.resolve_model_source(key)  # an unknown name is refused in one line
+        info["source"] = f"{path} ({'GGUF file' if kind == 'gguf' else 'transformers model directory'})"
         return info
     info["description"] = spec.description
     if spec.icecache_settings:
@@ -164,11 +165,10 @@ def _ice_config(args: argparse.Namespace, check_pager: bool = True, **overrides:
 def _model_settings(args: argparse.Namespace, given: dict[str, Any]) -> dict[str, Any]:
     """The settings of the ``--model`` (`icecache.runtime.models.model_settings`) that no flag overrides, said in
     one line on stderr when there are any. M-DCI's ``index_params`` apply only where the index is M-DCI's."""
-    from icecache.eval.ruler.command import MODEL_ALIASES
     from icecache.runtime.models import model_settings
 
     name = getattr(args, "model", None)
-    settings = {k: v for k, v in model_settings(MODEL_ALIASES.get(name, name)).items() if k not in given}
+    settings = {k: v for k, v in model_settings(name).items() if k not in given}
     if given.get("index", "mdci") != "mdci":  # `auto` takes only its crossover
         settings.pop("index_params", None)
     if settings:

@@ -165,6 +165,35 @@ def test_no_prefix_abbreviations():
         build_parser().parse_args(["eval", "passkey", "--samp", "3"])
 
 
+def _long_options(parser) -> list[tuple[object, str]]:
+    """``(parser, option)`` for every ``--option`` of ``parser`` and its sub-commands."""
+    found = []
+    for action in parser._actions:
+        found += [(parser, o) for o in action.option_strings if o.startswith("--") and o != "--help"]
+        if isinstance(getattr(action, "choices", None), dict):
+            for sub in action.choices.values():
+                found += _long_options(sub)
+    return found
+
+
+def test_no_command_takes_an_abbreviated_option():
+    """The simulator, `bench index` and `calibrate` parsers refuse a prefix of an option as the main one does."""
+    from icecache.measure.bench_index.cli import build_parser as bench_parser
+    from icecache.measure.calibrate import build_parser as calibrate_parser
+    from icecache.sim.cli import build_parser as sim_parser
+
+    checked = 0
+    for build in (sim_parser, bench_parser, calibrate_parser, build_parser):
+        for parser, option in _long_options(build()):
+            taken = {o for _, o in _long_options(parser)}
+            prefix = option[:-1]
+            if len(prefix) > 3 and prefix not in taken:
+                assert parser._parse_optional(prefix) is None or parser._parse_optional(prefix)[0] is None, \
+                    f"{parser.prog} takes {prefix} for {option}"
+                checked += 1
+    assert checked > 50
+
+
 def test_bench_help_prints_help_without_arguments():
     for argv in (["bench", "--help"], ["bench", "index", "--help"]):
         out = subprocess.run([sys.executable, "-m", "icecache.cli", *argv], capture_output=True, text=True, timeout=120)

@@ -216,3 +216,16 @@ def test_calibrate_command_errors_are_one_line(tmp_path, capsys):
     assert len(err) == 1 and "not JSON" in err[0]
     assert main(["--out", str(tmp_path / "x.json"), "--components", "gpu", "--quick"]) == 2
     assert "unknown calibration components" in capsys.readouterr().err
+
+
+def test_calibrate_refuses_an_unwritable_out_before_measuring(tmp_path, capsys, monkeypatch):
+    """A profile that could not be written is refused in one line before any measurement runs."""
+    import icecache.measure.calibrate as calibrate
+
+    monkeypatch.setattr(calibrate, "run_calibration", lambda *a, **k: pytest.fail("measured before checking --out"))
+    (tmp_path / "file").write_text("x")
+    for out, message in ((tmp_path, "is a directory"), (tmp_path / "file" / "p.json", "cannot be written")):
+        assert main(["--out", str(out), "--quick"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err
+    assert not (tmp_path / "p.json").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["file"]

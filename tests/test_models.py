@@ -37,6 +37,16 @@ def test_corrupt_gguf_gives_clear_error_and_writes_no_cache(tmp_path, monkeypatc
     assert not [p for p in leftovers if p.is_file()], "a failed conversion must not leave cache files behind"
 
 
+def test_short_names_resolve_like_the_full_name():
+    """`smollm2` names the same packaged model everywhere: loading, settings and the source check."""
+    assert models.model_key("smollm2") == models.model_key(None) == "smollm2-135m-instruct"
+    assert models.model_key("./my.gguf") == "./my.gguf"
+    assert models.model_settings("smollm2") == models.model_settings("smollm2-135m-instruct")
+    assert models.resolve_model_source("smollm2") == models.resolve_model_source(None)
+    with pytest.raises(UnknownNameError, match="unknown model 'smollm3'"):
+        models.resolve_model_source("smollm3")
+
+
 def test_not_a_model_path(tmp_path):
     f = tmp_path / "weights.bin"
     f.write_bytes(b"x")
@@ -72,6 +82,8 @@ def test_cli_bad_arguments_exit_2():
     assert out.returncode == 2 and "expected an integer >= 1" in out.stderr
     out = subprocess.run([sys.executable, "-m", "icecache.cli", "generate", "hi", "--model", "nope"], capture_output=True, text=True)
     assert out.returncode == 2 and "unknown model 'nope'" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "icecache.cli", "info", "--model", "nope"], capture_output=True, text=True)
+    assert out.returncode == 2 and out.stderr.strip().startswith("icecache: error: unknown model 'nope'")
 
 
 def test_gemma_gguf_tokenizer_is_subword_and_round_trips():

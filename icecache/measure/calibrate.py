@@ -40,6 +40,7 @@ import datetime as _dt
 import math
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -380,7 +381,7 @@ def _csv(text: str) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="icecache calibrate",
+    p = argparse.ArgumentParser(prog="icecache calibrate", allow_abbrev=False,
                                 description="time this machine's components and write a calibration profile for the simulator")
     p.add_argument("--out", help="the profile to write (with --update: to re-measure in place)")
     p.add_argument("--quick", action="store_true", help="a few seconds of tiny measurements (smoke test only)")
@@ -391,6 +392,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compare a profile's library versions and pager code with this stack (default: the profile "
                         "shipped with icecache) and exit 1 when they differ; measures nothing")
     return p
+
+
+def check_writable(path: str | os.PathLike) -> None:
+    """Refuse (`ConfigError`) an output file that could not be written, before minutes of measuring: a directory,
+    or a file whose nearest existing folder is not writable."""
+    target = Path(path)
+    if target.is_dir():
+        raise ConfigError(f"--out {target} is a directory; name the profile file to write, e.g. {target / 'profile.json'}")
+    folder = target.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        if target.exists():
+            with open(target, "a"):  # opened for appending, nothing written: its contents and time stay
+                pass
+        else:
+            with tempfile.TemporaryFile(dir=folder):
+                pass
+    except OSError as exc:
+        raise ConfigError(f"--out {target} cannot be written: {exc.strerror or exc}") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -409,6 +430,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if not args.out:
             raise ConfigError("calibrate needs --out PROFILE.json (the file to write), or --check")
+        check_writable(args.out)
         s = CalibrationSettings.quick() if args.quick else CalibrationSettings()
         if args.pagers:
             s = replace(s, pagers=None if args.pagers == "all" else tuple(_csv(args.pagers)))

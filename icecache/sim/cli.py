@@ -171,10 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
     from icecache.sim.config import SimConfig
 
     sim_defaults = {f.name: f.default for f in dataclasses.fields(SimConfig)}  # one source of defaults
-    ap = argparse.ArgumentParser(prog="python -m icecache.sim", description="IceCache timing simulator")
+    ap = argparse.ArgumentParser(prog="python -m icecache.sim", description="IceCache timing simulator", allow_abbrev=False)
     sub = ap.add_subparsers(dest="cmd", required=True)
 
-    p = sub.add_parser("sweep", help="simulate a grid of configurations; CSV + Markdown + plots with --out")
+    p = sub.add_parser("sweep", allow_abbrev=False, help="simulate a grid of configurations; CSV + Markdown + plots with --out")
     p.add_argument("--hardware", default="a100,h100")
     p.add_argument("--model", default="llama-3.1-8b", help="comma list of model shapes")
     p.add_argument("--context", default="8k..256k", help="'8k..256k' (doubling), '8k..256k:12' (12 log-spaced), or a list")
@@ -196,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(p)
     p.set_defaults(fn=cmd_sweep)
 
-    p = sub.add_parser("validate", help="predict measured runs; MAPE, bias, Kendall tau")
+    p = sub.add_parser("validate", allow_abbrev=False, help="predict measured runs; MAPE, bias, Kendall tau")
     p.add_argument("--runs", default=None,
                    help="JSON lines of measured runs (experiments/sim/measure_runs.py; default: the runs shipped with icecache)")
     p.add_argument("--holdout", choices=("context", "threads", "random", "none"), default="context",
@@ -206,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(p)
     p.set_defaults(fn=cmd_validate)
 
-    p = sub.add_parser("crossover", help="context where IceCache gets faster than full KV, and what drives it")
+    p = sub.add_parser("crossover", allow_abbrev=False, help="context where IceCache gets faster than full KV, and what drives it")
     p.add_argument("--hardware", default="h100")
     p.add_argument("--model", default="qwen3-4b")
     p.add_argument("--budget", type=int, default=256)
@@ -219,12 +219,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(p)
     p.set_defaults(fn=cmd_crossover)
 
-    p = sub.add_parser("paper", help="the paper's A100 36k breakdown: fed to the engine, and predicted")
+    p = sub.add_parser("paper", allow_abbrev=False, help="the paper's A100 36k breakdown: fed to the engine, and predicted")
     p.add_argument("--out", help="also write the Markdown table here")
     _add_common(p)
     p.set_defaults(fn=cmd_paper)
 
-    p = sub.add_parser("project", help="TPOT vs context of a few variants for one model and machine: .csv, .md, .png")
+    p = sub.add_parser("project", allow_abbrev=False, help="TPOT vs context of a few variants for one model and machine: .csv, .md, .png")
     p.add_argument("--model", default="gemma-3-270m")
     p.add_argument("--hardware", default="this-machine")
     p.add_argument("--context", default="2048..32768", help="as for sweep")
@@ -246,11 +246,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(p)
     p.set_defaults(fn=cmd_project)
 
-    p = sub.add_parser("hardware", help="list hardware constants with sources")
+    p = sub.add_parser("hardware", allow_abbrev=False, help="list hardware constants with sources")
     p.add_argument("--json", help="also write them as JSON")
     p.set_defaults(fn=cmd_hardware)
 
-    p = sub.add_parser("models", help="list model shapes")
+    p = sub.add_parser("models", allow_abbrev=False, help="list model shapes")
     p.set_defaults(fn=cmd_models)
     return ap
 

@@ -22,9 +22,6 @@ from icecache.core.errors import ConfigError
 
 #: RULER's lengths are powers of two: "4k" means 4096 tokens here.
 RULER_K = 1024
-MODEL_ALIASES = {"smollm2": "smollm2-135m-instruct"}
-
-
 def parse_ruler_length(text: str) -> int:
     """``"4k"`` -> 4096, ``"8192"`` -> 8192 (RULER's binary k); one-line `ConfigError` otherwise."""
     from icecache.core.report import parse_tokens
@@ -67,7 +64,9 @@ def spec_from_args(args: argparse.Namespace, config: Any) -> Any:
         raise ConfigError(f"--budgets: expected comma-separated integers, got {args.budgets!r}") from None
     if not methods or not budgets or any(b < 0 for b in budgets):
         raise ConfigError("--methods and --budgets must be non-empty, budgets >= 0")
-    model = MODEL_ALIASES.get(args.model or "smollm2", args.model or "smollm2-135m-instruct")
+    from icecache.runtime.models import model_key
+
+    model = model_key(args.model)
     return RulerSpec(
         model=model, tasks=tasks, lengths=[parse_ruler_length(x) for x in _split(args.lengths or "4k")], samples=args.samples,
         methods=methods, budgets=budgets, seed=42 if args.data_seed is None else args.data_seed, config=config,

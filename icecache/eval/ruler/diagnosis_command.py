@@ -126,10 +126,9 @@ def reference_records(run: dict[str, Any], records: Sequence[dict[str, Any]], re
 def run_diagnose(args: Any) -> int:
     """Entry point of ``icecache eval ruler --diagnose`` (see the module docstring)."""
     from icecache.core.config import IceCacheConfig
-    from icecache.eval.ruler.command import MODEL_ALIASES
     from icecache.eval.ruler.diagnose import diagnose_losses, row_key
     from icecache.eval.ruler.runner import read_jsonl
-    from icecache.runtime.models import load_model
+    from icecache.runtime.models import load_model, model_key
 
     if not args.out:
         raise ConfigError("--diagnose needs --out DIR, the directory of a RULER run")
@@ -139,7 +138,7 @@ def run_diagnose(args: Any) -> int:
         raise ConfigError(f"--diagnose: {run_file} not found; --out must be a RULER run's directory")
     targets = parse_targets(args.diagnose)
     run = json.loads(run_file.read_text())
-    if args.model and MODEL_ALIASES.get(args.model, args.model) != run["model"]:
+    if args.model and model_key(args.model) != run["model"]:
         raise ConfigError(f"--diagnose: the run in {out} used {run['model']}, not {args.model}")
     records = read_jsonl(out / "predictions.jsonl")
     if not records:

@@ -51,7 +51,7 @@ def parse_variant(spec: str, mdci_defaults: dict[str, Any]) -> tuple[str, tuple[
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="icecache bench index", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="icecache bench index", allow_abbrev=False, description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="model name, .gguf file or directory (default: embedded SmolLM2-135M)")
     p.add_argument("--tokens", type=int, default=8192, help="prompt length of part A (default 8192)")
     p.add_argument("--text", choices=("docs", "stdlib"), default="docs",
