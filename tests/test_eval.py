@@ -185,6 +185,15 @@ def test_eval_spec_validates():
     assert s.methods[0] == "full"
 
 
+def test_eval_refuses_lengths_past_the_models_context():
+    """The tiny model states 4096 positions; the refusal comes before any sample is made or prefilled."""
+    from icecache.core.errors import ConfigError
+
+    spec = EvalSpec(task="passkey", methods=["full"], budgets=[64], lengths=[1000, 5000, 4097])
+    with pytest.raises(ConfigError, match=r"length 4097, 5000 is past the model's context of 4096 tokens"):
+        run_eval(make_tiny_llama(seed=1), None, spec, progress=False)
+
+
 def test_index_params_tune_only_the_methods_of_that_pager():
     from icecache.eval.methods import for_pager
 

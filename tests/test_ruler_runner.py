@@ -110,7 +110,7 @@ def test_resumed_run_equals_one_shot_run(tmp_path, model):
 
 
 def test_refuses_a_directory_of_another_run(tmp_path):
-    PredictionLog(tmp_path, _spec().signature())
+    PredictionLog(tmp_path, _spec().signature()).append(_rec("vt", 0, "full", "-", 1.0, length=3000))
     with pytest.raises(ConfigError, match="seed differ"):
         PredictionLog(tmp_path, _spec(seed=1).signature())
     with pytest.raises(ConfigError, match="config differ"):
@@ -178,9 +178,18 @@ def test_plot_of_a_run_without_full_attention_warns_nothing(tmp_path):
 
 
 def test_run_json_holds_the_settings(tmp_path):
-    PredictionLog(tmp_path, _spec().signature())
-    data = json.loads((tmp_path / "run.json").read_text())
+    log = PredictionLog(tmp_path / "run", _spec().signature())
+    assert not (tmp_path / "run").exists()  # nothing is written until a record is
+    log.append(_rec("vt", 0, "full", "-", 1.0, length=3000))
+    data = json.loads((tmp_path / "run" / "run.json").read_text())
     assert data["seed"] == 42 and data["config"]["page_size"] == 8 and "budget" not in data["config"]
+
+
+def test_lengths_past_the_models_context_are_refused_before_anything_is_written(tmp_path, model):
+    """The tiny model states 8192 positions: a 9000-token run is refused, and its directory is never made."""
+    with pytest.raises(ConfigError, match="length 9000 is past the model's context of 8192 tokens"):
+        run_ruler(model, CharTokenizer(), _spec(lengths=[3000, 9000]), tmp_path / "run", progress=False)
+    assert not (tmp_path / "run").exists()
 
 
 SHARDED_SPEC = dict(model="smollm2-135m-instruct", tasks=["niah_single_1", "vt"], lengths=[1024], samples=2,

@@ -8,7 +8,7 @@ the cost. Decoding is a plain greedy loop (`decode_greedy`) or teacher forcing (
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,10 +16,25 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from icecache.core.errors import ConfigError
 from icecache.measure.capture import recording
 from icecache.runtime.attention import ATTENTION_NAME, register, use_attention
 
-__all__ = ["Prefill", "run_prefill", "clone_kv", "growing_kv", "GrowingLayer", "decode_greedy", "decode_forced"]
+__all__ = ["check_fits_context", "Prefill", "run_prefill", "clone_kv", "growing_kv", "GrowingLayer", "decode_greedy", "decode_forced"]
+
+
+def check_fits_context(model: Any, lengths: Iterable[int]) -> None:
+    """Refuse (`ConfigError`) prompt lengths, in tokens, beyond the model's context (``max_position_embeddings``):
+    a long evaluation past what the model was trained on would measure nothing. No-op when the model states none."""
+    from icecache.runtime.generate import model_context
+
+    context = model_context(model)
+    too_long = sorted({int(n) for n in lengths if context is not None and n > context})
+    if too_long:
+        raise ConfigError(
+            f"length {', '.join(map(str, too_long))} is past the model's context of {context} tokens "
+            f"(max_position_embeddings); lengths up to {context} fit"
+        )
 
 
 @dataclass

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from icecache.core.config import IceCacheConfig
-from icecache.eval.harness import Prefill, clone_kv, decode_forced, decode_greedy, run_prefill
+from icecache.eval.harness import Prefill, check_fits_context, clone_kv, decode_forced, decode_greedy, run_prefill
 from icecache.eval.methods import get_method
 from icecache.eval.passkey import make_passkey, passkey_correct
 from icecache.eval.tasks import make_longgen, make_needle, make_ppl, needle_score
@@ -116,6 +116,7 @@ def run_eval(model: Any, tokenizer: Any, spec: EvalSpec, progress: bool = True,
     finishes, so a caller interrupted midway keeps the finished rows."""
     from tqdm.auto import tqdm
 
+    check_fits_context(model, spec.lengths)
     samples = list(_samples(spec, tokenizer))
     runs_per_sample = sum(len(spec.budgets) if get_method(m).uses_budget else 1 for m in spec.methods)
     bar = tqdm(total=len(samples) * runs_per_sample, desc=f"eval {spec.task}", unit="run", disable=not progress)

@@ -122,7 +122,7 @@ def run_command(args: argparse.Namespace, config: Any) -> int:
     from icecache.runtime.models import resolve_model_source
 
     resolve_model_source(spec.model)  # an unknown or missing model is refused before run.json is written
-    PredictionLog(out, spec.signature())  # refuses a directory that holds another run, before any model loads
+    PredictionLog(out, spec.signature())  # refuses a directory that holds another run, before any model loads (writes nothing)
     t0 = time.perf_counter()
     use_ray = args.ray or bool(os.environ.get("RAY_ADDRESS"))
     interrupted = False
@@ -144,11 +144,11 @@ def run_command(args: argparse.Namespace, config: Any) -> int:
     header = (f"Command: `icecache {' '.join(shlex.quote(a) for a in sys.argv[1:])}`\n\n"
               f"Predictions: {len(records)} units in `predictions.jsonl`; this invocation {wall:.0f} s"
               f"{' (interrupted)' if interrupted else ''}.\n")
-    tables = write_outputs(records, out, TASKS, header)
-    print(tables)
+    if records:
+        print(write_outputs(records, out, TASKS, header))
     if interrupted:
-        print(f"interrupted: {len(records)} finished units kept in {out / 'predictions.jsonl'}; "
-              "run the same command again to resume", file=sys.stderr)
+        kept = f"{len(records)} finished units kept in {out / 'predictions.jsonl'}" if records else "no unit had finished"
+        print(f"interrupted: {kept}; run the same command again to resume", file=sys.stderr)
         return 130
     print(f"wall time {wall:.0f} s", file=sys.stderr)
     return 0

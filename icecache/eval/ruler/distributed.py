@@ -37,8 +37,11 @@ class SampleWorker:
             numba.set_num_threads(min(torch_threads, numba.config.NUMBA_NUM_THREADS))
         except ImportError:  # pragma: no cover - numba is a core dependency
             pass
+        from icecache.eval.harness import check_fits_context
+
         self.spec = spec_from_dict(spec_dict)
         self.model, self.tokenizer = load_model(self.spec.model)
+        check_fits_context(self.model, self.spec.lengths)
 
     def run(self, index: int, length: int, task: str, pairs: list) -> list[dict[str, Any]]:
         from icecache.eval.ruler.runner import run_sample

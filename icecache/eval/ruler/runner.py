@@ -84,7 +84,8 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 class PredictionLog:
-    """``predictions.jsonl`` plus ``run.json`` under one directory: append-only, resumable."""
+    """``predictions.jsonl`` plus ``run.json`` under one directory: append-only, resumable. Opening one checks
+    that an existing ``run.json`` holds the same settings; ``run.json`` is written with the first record."""
 
     def __init__(self, out_dir: str | Path, signature: dict[str, Any]) -> None:
         self.dir = Path(out_dir)
@@ -98,11 +99,7 @@ class PredictionLog:
                     f"{run_file} belongs to a run with other settings ({', '.join(changed)} differ); "
                     "use another --out or the same settings"
                 )
-        self.dir.mkdir(parents=True, exist_ok=True)
-        if not run_file.exists():
-            tmp = run_file.with_suffix(".tmp")
-            tmp.write_text(json.dumps(signature, indent=1) + "\n")
-            os.replace(tmp, run_file)
+        self.signature = signature
         self.records = self._read()
         self.done = {unit_key(r) for r in self.records}
 
@@ -110,6 +107,12 @@ class PredictionLog:
         return read_jsonl(self.path)
 
     def append(self, record: dict[str, Any]) -> None:
+        run_file = self.dir / "run.json"
+        if not run_file.exists():  # written with the first record, so a refused or failed start leaves nothing
+            self.dir.mkdir(parents=True, exist_ok=True)
+            tmp = run_file.with_suffix(f".tmp-{os.getpid()}")
+            tmp.write_text(json.dumps(self.signature, indent=1) + "\n")
+            os.replace(tmp, run_file)
         with open(self.path, "a") as f:
             f.write(json.dumps(record, default=str) + "\n")
             f.flush()
@@ -257,6 +260,9 @@ def run_ruler(
     the run (old and new)."""
     from tqdm.auto import tqdm
 
+    from icecache.eval.harness import check_fits_context
+
+    check_fits_context(model, spec.lengths)
     log = PredictionLog(out_dir, spec.signature())
     todo = pending_units(spec, log.done)
     bar = tqdm(total=sum(len(p) for *_, p in todo), desc=f"ruler {spec.model}", unit="run", disable=not progress,
