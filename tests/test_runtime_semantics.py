@@ -193,6 +193,20 @@ def test_from_dense_serves_several_questions_about_one_document():
     assert doc_kv.get_seq_length() == 150
 
 
+def test_from_dense_refuses_what_is_not_a_prefilled_dense_cache_in_one_line():
+    from icecache.core.errors import InputError, InputTypeError
+
+    model = make_tiny_llama(seed=9)
+    cfg = IceCacheConfig(budget=16, page_size=4, sink=4, window=12, dense_layers=(0,), threads=1)
+    shallow = _dense_kv(make_tiny_llama(seed=9, num_hidden_layers=2), _ids(40))
+    for dense, error, message in ((None, InputTypeError, "must be a transformers Cache .*got NoneType"),
+                                  ({"layers": []}, InputTypeError, "got dict"),
+                                  (DynamicCache(), InputError, "holds no tokens"),
+                                  (shallow, InputError, "has 2 layers; this model has 4")):
+        with pytest.raises(error, match=message):
+            IceCache.from_dense(dense, cfg, model_config=model.config)
+
+
 def test_unknown_index_fails_when_the_cache_is_built(tiny_llama):
     from icecache.core.errors import UnknownNameError
 

@@ -21,7 +21,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
 from icecache.core.config import IceCacheConfig
-from icecache.core.errors import CacheMisuseError, ConfigError
+from icecache.core.errors import CacheMisuseError, ConfigError, InputError, InputTypeError
 from icecache.indexes.auto import AUTO, check_index, choice_pager, choose_index
 from icecache.indexes.registry import make_pager
 from icecache.runtime import link
@@ -197,8 +197,9 @@ class IceCache(Cache):
         """
         if any(layer.is_initialized for layer in self.layers):
             raise CacheMisuseError("load_prefill needs a fresh IceCache")
+        sources = self._dense_layers_of(past_key_values)
         for i, (layer, kind) in enumerate(zip(self.layers, self.kind)):
-            src = past_key_values.layers[i]
+            src = sources[i]
             k, v = src.keys, src.values
             if kind == "sliding" and hasattr(src, "cumulative_length"):  # already truncated to its window
                 layer.lazy_initialization(k, v)
@@ -208,6 +209,21 @@ class IceCache(Cache):
             if kind == "sparse":
                 layer.finish_prefill(attention_mask.bool() if attention_mask is not None else None)
         return self
+
+    def _dense_layers_of(self, dense: Any) -> list[Any]:
+        """The layers of a prefilled dense cache, checked: a transformers `Cache` with one layer per model layer,
+        each holding K/V. Raises `InputTypeError` / `InputError` in one line otherwise."""
+        layers = getattr(dense, "layers", None)
+        if not isinstance(dense, Cache) or layers is None:
+            raise InputTypeError(
+                "the dense prefill must be a transformers Cache (a DynamicCache after model(ids, past_key_values=cache)), "
+                f"got {type(dense).__name__}"
+            )
+        if not layers or any(getattr(layer, "keys", None) is None or layer.keys.numel() == 0 for layer in layers):
+            raise InputError("the dense cache holds no tokens: run the prompt through the model with it first")
+        if len(layers) != len(self.layers):
+            raise InputError(f"the dense cache has {len(layers)} layers; this model has {len(self.layers)}")
+        return list(layers)
 
     # ------------------------------------------------------------------ model checks
     @staticmethod
