@@ -142,6 +142,19 @@ def test_tables_use_only_samples_every_row_finished():
     assert "| method | vt | cwe | average |" in table and "| icecache@64 | 50.0 | 40.0 | **45.0**" in table
 
 
+def test_sample_counts_are_per_task_when_tasks_have_finished_different_numbers():
+    """A partial run: vt has 2 samples every row finished, cwe 1; the table says 1-2 and the CSV each task's own."""
+    from icecache.eval.ruler.report import results_rows
+
+    recs = [_rec(task, i, method, budget, 1.0) for task, n in (("vt", 2), ("cwe", 1)) for i in range(n)
+            for method, budget in (("full", "-"), ("icecache", "64"))]
+    summary = summarize(recs)
+    assert "(1-2 samples per task;" in markdown(summary, ["vt", "cwe"])
+    counts = {(r["method"], r["task"]): r["samples"] for r in results_rows(summary)}
+    assert counts[("full", "vt")] == 2 and counts[("full", "cwe")] == 1 and counts[("icecache", "average")] == 1
+    assert "(2 samples per task;" in markdown(summarize([r for r in recs if r["task"] == "vt"]), ["vt"])
+
+
 def test_bootstrap_average_brackets_the_mean_and_needs_two_samples():
     lo, hi = bootstrap_average({"a": [0.0, 1.0, 1.0, 1.0], "b": [0.5, 0.5, 0.5, 0.5]}, seed=3)
     assert lo <= (0.75 + 0.5) / 2 <= hi and 0.25 <= lo and hi <= 0.75

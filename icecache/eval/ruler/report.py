@@ -59,7 +59,8 @@ def bootstrap_average(per_task: dict[str, list[float]], reps: int = 2000, seed: 
 
 
 def summarize(records: Sequence[dict[str, Any]], seed: int = 0) -> list[dict[str, Any]]:
-    """One entry per (length, row): task scores (x100), the average and its interval, samples per task."""
+    """One entry per (length, row): task scores (x100), the average and its interval, and the samples behind
+    them (``task_samples`` per task, ``samples`` the fewest of any task)."""
     out = []
     for length, rows in sorted(complete_scores(records).items()):
         for row, tasks in sorted(rows.items(), key=lambda kv: _row_order(kv[0])):
@@ -71,7 +72,7 @@ def summarize(records: Sequence[dict[str, Any]], seed: int = 0) -> list[dict[str
             out.append({
                 "length": length, "row": row, "tasks": scores, "average": float(np.mean(list(scores.values()))),
                 "ci_low": 100 * lo, "ci_high": 100 * hi, "samples": min(len(v) for v in per_task.values()),
-                "num_tasks": len(per_task),
+                "task_samples": {t: len(v) for t, v in per_task.items()}, "num_tasks": len(per_task),
             })
     return out
 
@@ -83,7 +84,7 @@ def results_rows(summary: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         method, _, budget = e["row"].partition("@")
         for task, score in e["tasks"].items():
             rows.append({"length": e["length"], "method": method, "budget": budget or "-", "task": task,
-                         "score": round(score, 4), "samples": e["samples"]})
+                         "score": round(score, 4), "samples": e["task_samples"][task]})
         rows.append({"length": e["length"], "method": method, "budget": budget or "-", "task": "average",
                      "score": round(e["average"], 4), "ci_low": round(e["ci_low"], 4), "ci_high": round(e["ci_high"], 4),
                      "samples": e["samples"]})
@@ -96,7 +97,8 @@ def markdown(summary: Sequence[dict[str, Any]], task_order: Sequence[str]) -> st
     for length in sorted({e["length"] for e in summary}):
         es = [e for e in summary if e["length"] == length]
         tasks = [t for t in task_order if any(t in e["tasks"] for e in es)]
-        n = min(e["samples"] for e in es)
+        counts = {n for e in es for n in e["task_samples"].values()}
+        n = str(min(counts)) if len(counts) == 1 else f"{min(counts)}-{max(counts)}"
         lines.append(f"\n**{length} tokens** ({n} samples per task; scores x100; average with a bootstrap 95% interval)\n")
         lines.append("| method | " + " | ".join(tasks) + " | average |")
         lines.append("|---|" + "---:|" * (len(tasks) + 1))
