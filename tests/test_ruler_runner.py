@@ -245,3 +245,18 @@ def test_process_workers_give_the_local_runs_records(tmp_path, smollm2):
     sharded = run_on_processes(spec, tmp_path / "workers", 2, progress=False)
     assert_sharded_equals_local(tmp_path, smollm2, spec, sharded)
     assert len(run_on_processes(spec, tmp_path / "workers", 2, progress=False)) == len(sharded)  # resumed: all done
+
+
+def test_missing_ray_is_refused_in_one_line_naming_what_asked_for_it(tmp_path, monkeypatch):
+    import sys
+
+    from icecache.eval.ruler.distributed import run_on_ray
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray raises ImportError, as where it is not installed
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with pytest.raises(ConfigError, match=r"Ray is not installed: pip install 'icecache\[ray\]' \(--ray"):
+        run_on_ray(_spec(), tmp_path / "run", progress=False)
+    monkeypatch.setenv("RAY_ADDRESS", "auto")
+    with pytest.raises(ConfigError, match="RAY_ADDRESS is set, which sends the run to Ray; unset it"):
+        run_on_ray(_spec(), tmp_path / "run", progress=False)
+    assert not (tmp_path / "run").exists()

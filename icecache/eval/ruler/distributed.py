@@ -105,7 +105,9 @@ def run_on_ray(spec: Any, out_dir: str | Path, *, progress: bool = True, workers
     try:
         import ray
     except ImportError:
-        raise ConfigError("--ray needs Ray: pip install 'icecache[ray]'") from None
+        why = ("RAY_ADDRESS is set, which sends the run to Ray; unset it to run here" if os.environ.get("RAY_ADDRESS")
+               else "--ray shards the samples on Ray")
+        raise ConfigError(f"Ray is not installed: pip install 'icecache[ray]' ({why})") from None
     from tqdm.auto import tqdm
 
     from icecache.eval.ruler.runner import PredictionLog, pending_units, spec_to_dict
