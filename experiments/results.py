@@ -165,7 +165,8 @@ MODEL_NAMES = {"smollm2-135m-instruct": "SmolLM2", "gemma-3-270m": "Gemma-3-270M
 
 
 def _ruler_averages(d: Path) -> str:
-    """Per length: full, IceCache at each budget and Quest at its largest budget, from ``results.csv``."""
+    """Per length: full, IceCache at each budget, Quest at its largest budget and the range of kvpress's presses
+    there, from ``results.csv``."""
     model = read_json(d / "run.json").get("model", d.name) if (d / "run.json").exists() else d.name
     avg = [r for r in read_csv(d / "results.csv") if r["task"] == "average"]
     out = []
@@ -181,6 +182,9 @@ def _ruler_averages(d: Path) -> str:
             label = r["method"] if r["budget"] == "-" else (f"@{r['budget']}" if r["method"] == last else f"{r['method']}@{r['budget']}")
             cells.append(f"{label} {float(r['score']):.1f}")
             last = r["method"]
+        presses = [float(r["score"]) for r in rs if r["method"].startswith("kvpress:") and r["budget"] == str(quest_b)]
+        if presses:
+            cells.append(f"kvpress's {len(presses)} presses@{quest_b} {min(presses):.1f}-{max(presses):.1f}")
         n = min(int(r["samples"]) for r in rs)
         out.append(f"{MODEL_NAMES.get(model, model)} {klabel(length, 1024)}: {', '.join(cells)} ({n} samples)")
     return "; ".join(out)
