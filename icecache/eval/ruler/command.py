@@ -22,6 +22,8 @@ from icecache.core.errors import ConfigError
 
 #: RULER's lengths are powers of two: "4k" means 4096 tokens here.
 RULER_K = 1024
+
+
 def parse_ruler_length(text: str) -> int:
     """``"4k"`` -> 4096, ``"8192"`` -> 8192 (RULER's binary k); one-line `ConfigError` otherwise."""
     from icecache.core.report import parse_tokens

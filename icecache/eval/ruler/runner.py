@@ -100,6 +100,7 @@ class PredictionLog:
                     "use another --out or the same settings"
                 )
         self.signature = signature
+        self._run_written = run_file.exists()
         self.records = self._read()
         self.done = {unit_key(r) for r in self.records}
 
@@ -107,12 +108,13 @@ class PredictionLog:
         return read_jsonl(self.path)
 
     def append(self, record: dict[str, Any]) -> None:
-        run_file = self.dir / "run.json"
-        if not run_file.exists():  # written with the first record, so a refused or failed start leaves nothing
+        if not self._run_written:  # written with the first record, so a refused or failed start leaves nothing
+            run_file = self.dir / "run.json"
             self.dir.mkdir(parents=True, exist_ok=True)
             tmp = run_file.with_suffix(f".tmp-{os.getpid()}")
             tmp.write_text(json.dumps(self.signature, indent=1) + "\n")
             os.replace(tmp, run_file)
+            self._run_written = True
         with open(self.path, "a") as f:
             f.write(json.dumps(record, default=str) + "\n")
             f.flush()
