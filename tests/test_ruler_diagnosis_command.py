@@ -11,7 +11,7 @@ from test_ruler_runner import CharTokenizer
 
 from icecache import IceCacheConfig
 from icecache.core.errors import ConfigError
-from icecache.eval.ruler.diagnose import diagnose_losses, row_key, scan_config
+from icecache.eval.ruler.diagnose import diagnose_losses, diagnose_targets, row_key, scan_config
 from icecache.eval.ruler.diagnosis_command import diagnosis_markdown, parse_targets, reference_records, run_diagnose
 
 
@@ -203,3 +203,29 @@ def test_the_command_rewrites_one_row_per_sample(tmp_path, monkeypatch):
         ("icecache", 0, "search miss"), ("icecache", 1, "model"), ("quest", 1, "model")]
     assert "| 3000 | icecache@32 | 2 | 2 | 2 | 1 | 0 | 0 | 1 |" in (tmp_path / "run" / "diagnosis.md").read_text()
     assert not list((tmp_path / "run").glob("*.tmp"))
+
+
+def test_targets_that_lost_the_same_sample_share_one_prefill_and_match_one_target_at_a_time(monkeypatch):
+    """Two targets replaying the same two samples prefill each sample once (not once per target), and give
+    the rows each target gets alone."""
+    import icecache.eval.harness as harness
+
+    prefills = []
+    real_prefill = harness.run_prefill
+    monkeypatch.setattr(harness, "run_prefill", lambda *a, **k: prefills.append(1) or real_prefill(*a, **k))
+    model = make_tiny_llama(seed=5, max_position_embeddings=8192)
+    records = [r for i in (0, 1) for r in (_record(i, "full", "-", 1.0), _record(i, "exact", "32", 1.0),
+                                             _record(i, "icecache", "32", 0.0), _record(i, "quest", "32", 0.0))]
+    config = IceCacheConfig(budget=32, page_size=8, sink=4, window=32, dense_layers=(0,), threads=1)
+    targets = [("icecache", "32"), ("quest", "32")]
+    together = diagnose_targets(model, OffsetCharTokenizer(), records, targets, seed=42, config=config,
+                                chat_template=False, progress=False)
+    assert len(prefills) == 2  # one per sample, although four replays ran
+    for method, budget in targets:
+        prefills.clear()
+        alone = diagnose_losses(model, OffsetCharTokenizer(), records, method, budget, seed=42, config=config,
+                                chat_template=False, progress=False)
+        assert len(prefills) == 2
+        key = lambda r: r["index"]
+        assert sorted(alone, key=key) == sorted(together[(method, budget)], key=key)
+        assert all(r["class"] in ("page miss", "search miss") for r in alone)

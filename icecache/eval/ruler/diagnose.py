@@ -167,23 +167,12 @@ def scan_config(method: str, config: Any) -> Any | None:
     return None
 
 
-def diagnose_losses(model: Any, tokenizer: Any, records: list[dict[str, Any]], method: str, budget: str, *,
-                    seed: int, config: Any, chat_template: bool, progress: bool = True,
-                    previous: dict[tuple, dict[str, Any]] | None = None,
-                    on_row: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
-    """Classify every sample ``method@budget`` lost in ``records`` (one run's predictions). Returns one row
-    per lost sample: its key, the class and, for search/page misses, the replay's recalls. ``previous`` (rows of
-    an earlier call, by `row_key`) are re-classified from their scores and kept, unless the sample now needs a
-    replay the row lacks; ``on_row`` sees each row computed anew (to append it)."""
-    from tqdm.auto import tqdm
-
-    from icecache.eval.harness import clone_kv, decode_greedy, run_prefill
-    from icecache.eval.methods import get_method
-    from icecache.eval.ruler import make_sample, score_sample
-
+def _plan(records: list[dict[str, Any]], method: str, budget: str, scan: Any | None,
+          previous: dict[tuple, dict[str, Any]] | None) -> tuple[list[dict[str, Any]], list[tuple[dict, dict, bool]]]:
+    """Split ``method@budget``'s lost samples into rows classified from stored ones and (record, row, replay
+    needed) still to compute."""
     index = {(r["task"], r["length"], r["index"], r["method"], str(r["budget"])): r for r in records}
     lost = [r for r in records if r["method"] == method and str(r["budget"]) == budget and r["score"] < 1.0]
-    scan = scan_config(method, config)
     rows, todo = [], []
     for r in lost:
         key = (r["task"], r["length"], r["index"])
@@ -201,19 +190,74 @@ def diagnose_losses(model: Any, tokenizer: Any, records: list[dict[str, Any]], m
                                                           scan_score=kept.get("scan_score"))})
         else:
             todo.append((r, row, replay_needed))
-    for r, row, replay_needed in tqdm(todo, desc=f"diagnose {method}@{budget}", disable=not progress):
+    return rows, todo
+
+
+class SampleReference:
+    """The dense prefill of one RULER sample and full attention's answer to it, kept for the next replay of the
+    same sample (the diagnosis replays a sample once per method@budget that lost it: one prefill serves all)."""
+
+    def __init__(self, model: Any, tokenizer: Any, *, seed: int, chat_template: bool, obs_window: int) -> None:
+        self.model, self.tokenizer = model, tokenizer
+        self.seed, self.chat_template, self.obs_window = seed, chat_template, obs_window
+        self.key: tuple | None = None
+        self.sample: Any = None
+        self.prefill: Any = None
+        self.answer: list[int] = []
+        self.prefills = 0  #: prefills run so far (one per distinct sample when replays come grouped by sample)
+
+    def get(self, task: str, length: int, index: int) -> tuple[Any, Any, list[int]]:
+        """(sample, prefill, full attention's greedy answer, stopped once it scores 1) of one sample."""
+        from icecache.eval.harness import clone_kv, decode_greedy, run_prefill
+        from icecache.eval.ruler import make_sample, score_sample
+
+        if self.key != (task, length, index):
+            self.key, self.prefill = None, None  # free the previous sample's cache before the next prefill
+            sample = make_sample(task, self.tokenizer, length, seed=self.seed, index=index, chat_template=self.chat_template)
+            ids = self.tokenizer(sample.prompt, return_tensors="pt")["input_ids"]
+            prefill = run_prefill(self.model, ids, obs_window=self.obs_window)
+            self.answer = decode_greedy(
+                self.model, clone_kv(prefill.kv), prefill.last_logits, sample.tokens_to_generate, {self.tokenizer.eos_token_id},
+                stop_when=lambda t, s=sample: score_sample(s, self.tokenizer.decode(t, skip_special_tokens=True)) >= 1.0)
+            self.key, self.sample, self.prefill = (task, length, index), sample, prefill
+            self.prefills += 1
+        return self.sample, self.prefill, self.answer
+
+
+def diagnose_targets(model: Any, tokenizer: Any, records: list[dict[str, Any]], targets: list[tuple[str, str]], *,
+                     seed: int, config: Any, chat_template: bool, progress: bool = True,
+                     previous: dict[tuple, dict[str, Any]] | None = None,
+                     on_row: Callable[[dict[str, Any]], None] | None = None) -> dict[tuple[str, str], list[dict[str, Any]]]:
+    """Classify every sample each ``(method, budget)`` of ``targets`` lost in ``records`` (one run's predictions).
+    Returns, per target, one row per lost sample: its key, the class and, for search/page misses, the replay's
+    recalls. ``previous`` (rows of an earlier call, by `row_key`) are re-classified from their scores and kept,
+    unless the sample now needs a replay the row lacks; ``on_row`` sees each row computed anew (to append it).
+    Rows that need no replay come first; replays run grouped by sample, so a sample several targets lost is
+    prefilled once."""
+    from tqdm.auto import tqdm
+
+    from icecache.eval.harness import decode_greedy
+    from icecache.eval.methods import get_method
+    from icecache.eval.ruler import score_sample
+
+    out: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    todo = []
+    for method, budget in targets:
+        scan = scan_config(method, config)
+        out[(method, budget)], pending = _plan(records, method, budget, scan, previous)
+        todo += [(r, row, needed, scan) for r, row, needed in pending]
+    todo.sort(key=lambda item: (item[2], item[0]["task"], item[0]["length"], item[0]["index"]))
+    reference = SampleReference(model, tokenizer, seed=seed, chat_template=chat_template, obs_window=config.window)
+    names = ",".join(f"{m}@{b}" for m, b in targets)
+    for r, row, replay_needed, scan in tqdm(todo, desc=f"diagnose {names}", disable=not progress):
+        method, budget = row["method"], row["budget"]
         replayed = None
         if replay_needed:
-            sample = make_sample(r["task"], tokenizer, r["length"], seed=seed, index=r["index"], chat_template=chat_template)
-            ids = tokenizer(sample.prompt, return_tensors="pt")["input_ids"]
-            prefill = run_prefill(model, ids, obs_window=config.window)
-            reference = decode_greedy(model, clone_kv(prefill.kv), prefill.last_logits, sample.tokens_to_generate,
-                                      {tokenizer.eos_token_id},
-                                      stop_when=lambda t, s=sample: score_sample(s, tokenizer.decode(t, skip_special_tokens=True)) >= 1.0)
+            sample, prefill, answer = reference.get(r["task"], r["length"], r["index"])
             cache = get_method(method).cache(model, prefill, config.replace(budget=int(budget)))
             try:
                 cache.workers.wait_all()
-                replayed = replay(model, prefill, cache, reference, answer_positions(tokenizer, sample))
+                replayed = replay(model, prefill, cache, answer, answer_positions(tokenizer, sample))
             finally:
                 cache.close()
             row.update(search_recall=replayed.search_recall, pages_recall=replayed.pages_recall,
@@ -227,10 +271,20 @@ def diagnose_losses(model: Any, tokenizer: Any, records: list[dict[str, Any]], m
                     cache.close()
                 row["scan_score"] = score_sample(sample, tokenizer.decode(tokens, skip_special_tokens=True))
         row["class"] = classify(row["score"], row["full"], row["oracle"], replayed, scan_score=row.get("scan_score"))
-        rows.append(row)
+        out[(method, budget)].append(row)
         if on_row is not None:
             on_row(row)
-    return rows
+    return out
+
+
+def diagnose_losses(model: Any, tokenizer: Any, records: list[dict[str, Any]], method: str, budget: str, *,
+                    seed: int, config: Any, chat_template: bool, progress: bool = True,
+                    previous: dict[tuple, dict[str, Any]] | None = None,
+                    on_row: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+    """`diagnose_targets` for one ``method@budget``: its rows."""
+    return diagnose_targets(model, tokenizer, records, [(method, budget)], seed=seed, config=config,
+                            chat_template=chat_template, progress=progress, previous=previous,
+                            on_row=on_row)[(method, budget)]
 
 
 def _stored_replay(row: dict[str, Any]) -> Replay | None:

@@ -2,9 +2,10 @@
 
 Reads ``DIR/run.json`` (the run's model, data seed, chat template and `IceCacheConfig`) and
 ``DIR/predictions.jsonl``; replays every sample that a ``method@budget`` lost while full attention and the
-exact oracle both scored higher (`icecache.eval.ruler.diagnose`). Each classified sample is appended to
-``DIR/diagnosis.jsonl`` as it finishes; a re-run re-classifies the rows there from their scores and replays
-only what they lack, and the file is rewritten with one row per sample at the end. ``DIR/diagnosis.md`` holds
+exact oracle both scored higher (`icecache.eval.ruler.diagnose`), one prefill per sample for all the targets.
+Each classified sample is appended to ``DIR/diagnosis.jsonl`` as it finishes; a re-run re-classifies the rows
+there from their scores and replays only what they lack, and the file is rewritten with one row per sample at
+the end. ``DIR/diagnosis.md`` holds
 the class counts per length and ``method@budget``, and how many samples scored below full attention's own
 (partial) score.
 
@@ -126,7 +127,7 @@ def reference_records(run: dict[str, Any], records: Sequence[dict[str, Any]], re
 def run_diagnose(args: Any) -> int:
     """Entry point of ``icecache eval ruler --diagnose`` (see the module docstring)."""
     from icecache.core.config import IceCacheConfig
-    from icecache.eval.ruler.diagnose import diagnose_losses, row_key
+    from icecache.eval.ruler.diagnose import diagnose_targets, row_key
     from icecache.eval.ruler.runner import read_jsonl
     from icecache.runtime.models import load_model, model_key
 
@@ -157,11 +158,11 @@ def run_diagnose(args: Any) -> int:
         with open(diag_path, "a") as f:
             f.write(json.dumps(row) + "\n")
 
-    for method, budget in targets:
-        fresh = diagnose_losses(model, tokenizer, records, method, budget, seed=run["seed"], config=config,
-                                chat_template=chat, progress=not args.json, previous=stored, on_row=append)
-        stored = {k: r for k, r in stored.items() if k[3:] != (method, budget)}  # this target's rows are `fresh`
-        stored.update((row_key(r), r) for r in fresh)
+    fresh = diagnose_targets(model, tokenizer, records, targets, seed=run["seed"], config=config,
+                             chat_template=chat, progress=not args.json, previous=stored, on_row=append)
+    stored = {k: r for k, r in stored.items() if tuple(k[3:]) not in fresh}  # the targets' rows are `fresh`
+    for target_rows in fresh.values():
+        stored.update((row_key(r), r) for r in target_rows)
     rows = list(stored.values())
     tmp_rows = out / "diagnosis.jsonl.tmp"
     tmp_rows.write_text("".join(json.dumps(r) + "\n" for r in rows))
