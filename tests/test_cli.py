@@ -240,9 +240,12 @@ def test_generate_stats_line_says_which_prompt_convention_ran(capsys, monkeypatc
     assert "(raw text, no chat template)" in capsys.readouterr().err
 
 
+GEMMA3 = {"fov_scale": 0.024, "fov_min": 200, "fov_max": 800}
+
+
 @pytest.mark.parametrize(("argv", "page_size", "index", "index_params"), [
-    ([], 4, "mdci", {"field_of_view": 200}),  # the model's settings
-    (["--page-size", "16"], 16, "mdci", {"field_of_view": 200}),  # a flag overrides its field only
+    ([], 4, "mdci", GEMMA3),  # the model's settings
+    (["--page-size", "16"], 16, "mdci", GEMMA3),  # a flag overrides its field only
     (["--index-params", ""], 4, "mdci", {}),  # an empty --index-params is a given value
     (["--index", "ivf"], 4, "ivf", {}),  # M-DCI's parameters stay with M-DCI
     (["--index", "auto"], 4, "auto", {}),  # auto takes only its crossover
@@ -264,8 +267,8 @@ def test_models_without_settings_keep_the_configs_defaults(capsys):
         assert _ice_config(build_parser().parse_args(argv), check_pager=False) == IceCacheConfig()
     assert capsys.readouterr().err == ""
     settings = model_settings("gemma-3-270m")
-    settings["index_params"]["field_of_view"] = 1  # a copy: the registry keeps its own
-    assert MODELS["gemma-3-270m"].icecache_settings["index_params"] == {"field_of_view": 200}
+    settings["index_params"]["fov_min"] = 1  # a copy: the registry keeps its own
+    assert MODELS["gemma-3-270m"].icecache_settings["index_params"] == GEMMA3
     assert IceCacheConfig(**model_settings("gemma-3-270m")).page_size == 4
 
 
