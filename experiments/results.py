@@ -186,8 +186,13 @@ def _ruler_averages(d: Path) -> str:
         if presses:
             cells.append(f"kvpress's {len(presses)} presses@{quest_b} {min(presses):.1f}-{max(presses):.1f}")
         n = min(int(r["samples"]) for r in rs)
-        out.append(f"{MODEL_NAMES.get(model, model)} {klabel(length, 1024)}: {', '.join(cells)} ({n} samples)")
+        out.append(f"{MODEL_NAMES.get(model, model)} {klabel(length, 1024)}: {', '.join(cells)} ({_samples(n)})")
     return "; ".join(out)
+
+
+def _samples(n: int) -> str:
+    """``"1 sample"``, ``"10 samples"``."""
+    return f"{n} sample" + ("" if n == 1 else "s")
 
 
 #: companion folders of a run (``<run><suffix>``): the same samples answered with other settings, no full rows
@@ -202,7 +207,7 @@ def _ruler_companion_rows(d: Path, label: str) -> str:
     for length in sorted({int(r["length"]) for r in avg}):
         rs = [r for r in avg if int(r["length"]) == length]
         cells = [f"{r['method']}@{r['budget']} {float(r['score']):.1f}" for r in rs]
-        out.append(f"{klabel(length, 1024)}: {', '.join(cells)} ({min(int(r['samples']) for r in rs)} samples)")
+        out.append(f"{klabel(length, 1024)}: {', '.join(cells)} ({_samples(min(int(r['samples']) for r in rs))})")
     state = ", running" if (d / "results.md").read_text().startswith("Partial run") else ""
     return f"{label} ({link(f'experiments/ruler/{d.name}/')}{state}) " + "; ".join(out)
 
