@@ -279,6 +279,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from icecache.eval.command import check_eval_flags
 
     check_eval_flags(args, given_ice_options(args))
+    if args.task == "ruler" and args.diagnose:  # the run's own config (run.json), not this command line's
+        from icecache.eval.ruler.command import run_command
+
+        return run_command(args, None)
     config = _ice_config(args)
     if args.task == "ruler":
         from icecache.eval.ruler.command import run_command

@@ -229,3 +229,17 @@ def test_targets_that_lost_the_same_sample_share_one_prefill_and_match_one_targe
         key = lambda r: r["index"]
         assert sorted(alone, key=key) == sorted(together[(method, budget)], key=key)
         assert all(r["class"] in ("page miss", "search miss") for r in alone)
+
+
+def test_the_command_replays_with_the_runs_config_and_only_threads_from_the_command_line(tmp_path, monkeypatch):
+    import icecache.eval.ruler.diagnose as diagnose
+    import icecache.runtime.models as models
+
+    seen = []
+    monkeypatch.setattr(diagnose, "diagnose_targets", lambda *a, config, **k: seen.append(config) or {})
+    monkeypatch.setattr(models, "load_model", lambda name: (None, OffsetCharTokenizer()))
+    config = {"budget": 32, "page_size": 8, "sink": 4, "window": 32, "dense_layers": [0], "index": "sequential"}
+    _write_run(tmp_path / "run", config, [_record(0, "icecache", "32", 0.0)], chat_template=False)
+    assert run_diagnose(_args(tmp_path / "run", diagnose="icecache@32", threads=1)) == 0
+    assert run_diagnose(_args(tmp_path / "run", diagnose="icecache@32")) == 0
+    assert [(c.page_size, c.window, c.threads) for c in seen] == [(8, 32, 1), (8, 32, IceCacheConfig().threads)]

@@ -88,6 +88,13 @@ def check_eval_flags(args: argparse.Namespace, given_ice: list[str]) -> None:
     """Refuse flags that would have no effect on this run (see the module docstring)."""
     if args.budget is not None:
         raise ConfigError("eval compares --budgets (comma-separated); --budget does not apply")
+    if getattr(args, "diagnose", None):
+        ignored = [f for f in given_ice if f != "--threads"] + [
+            flag for dest, (flag, _, unset) in TASK_FLAGS.items()
+            if dest not in ("diagnose", "references") and getattr(args, dest) != unset]
+        if ignored:
+            raise ConfigError(f"--diagnose replays the --out run with its own settings (its run.json); "
+                              f"{', '.join(ignored)} would have no effect (--threads applies)")
     for dest, (flag, tasks, unset) in TASK_FLAGS.items():
         if getattr(args, dest) != unset and args.task not in tasks:
             raise ConfigError(f"{flag} applies to eval {'/'.join(tasks)}, not to eval {args.task}")

@@ -149,6 +149,8 @@ def run_diagnose(args: Any) -> int:
     if references:
         records = list(records) + reference_records(run, records, Path(references))
     config = IceCacheConfig(**run["config"])
+    if getattr(args, "threads", None) is not None:  # index-work threads of the replays' caches: not a result
+        config = config.replace(threads=args.threads)
     model, tokenizer = load_model(run["model"])
     chat = run["chat_template"] if run["chat_template"] is not None else bool(getattr(tokenizer, "chat_template", None))
     diag_path = out / "diagnosis.jsonl"
