@@ -89,16 +89,18 @@ def test_load_prefill_equals_prefill_through_the_cache(name):
     torch.testing.assert_close(shared, ref, atol=1e-4, rtol=1e-4)
 
 
-def test_snapkv_keeps_what_an_independent_snapkv_keeps():
+@pytest.mark.parametrize("name, obs, kernel", [("snapkv", 16, 5), ("snapkv[window_size=6;kernel_size=3]", 6, 3)])
+def test_snapkv_keeps_what_an_independent_snapkv_keeps(name, obs, kernel):
     """SnapKV from its definition (Li et al. 2024), computed from transformers' eager attention weights rather
     than from our captured queries: the observation window's attention to each earlier position, averaged over
-    the window, average-pooled (kernel 5) and averaged over the GQA group; the top-B middle positions are kept
-    for good. Our method's kept set must be exactly that, per (layer, KV head)."""
+    the window, average-pooled (kernel 5 unless set) and averaged over the GQA group; the top-B middle positions
+    are kept for good. Our method's kept set must be exactly that, per (layer, KV head). The variant's
+    observation window (6) is shorter than the cache window (16) the prefill captured."""
     model = make_tiny_llama(seed=6)
     T, S, W, B = 180, 4, 16, 24
     ids = torch.randint(3, 128, (1, T), generator=torch.Generator().manual_seed(8))
     cfg = IceCacheConfig(budget=B, page_size=4, sink=S, window=W, dense_layers=(0,))
-    cache = get_method("snapkv").cache(model, run_prefill(model, ids, obs_window=W), cfg)
+    cache = get_method(name).cache(model, run_prefill(model, ids, obs_window=W), cfg)
     previous = model.config._attn_implementation
     model.set_attn_implementation("eager")
     try:
@@ -108,8 +110,8 @@ def test_snapkv_keeps_what_an_independent_snapkv_keeps():
         model.set_attn_implementation(previous)
     n_rep = model.config.num_attention_heads // model.config.num_key_value_heads
     for layer in range(1, 4):
-        obs = attentions[layer][0, :, T - W :, : T - W].double().mean(1)  # [Hq, T - W]
-        pooled = torch.nn.functional.avg_pool1d(obs[:, None], 5, stride=1, padding=2)[:, 0]
+        obs_attn = attentions[layer][0, :, T - obs :, : T - obs].double().mean(1)  # [Hq, T - obs]
+        pooled = torch.nn.functional.avg_pool1d(obs_attn[:, None], kernel, stride=1, padding=kernel // 2)[:, 0]
         for h in range(model.config.num_key_value_heads):
             score = pooled[h * n_rep : (h + 1) * n_rep].mean(0)[S : T - W]  # the middle positions S .. T-W-1
             expected = set((torch.argsort(score, descending=True, stable=True)[:B] + S).tolist())
@@ -231,7 +233,10 @@ def test_method_variants_change_only_their_settings():
     for name, message in [("quest[field_of_view=3]", "no parameter 'field_of_view'"),
                           ("full[field_of_view=3]", "runs no pager"), ("icecache[budget=3]", "cannot set budget"),
                           ("icecache[index=exact]", "cannot set index"), ("icecache[]", "empty brackets"),
-                          ("icecache[page_size=0]", "page_size must be in"), ("icecache[page_size]", "key=value")]:
+                          ("icecache[page_size=0]", "page_size must be in"), ("icecache[page_size]", "key=value"),
+                          ("snapkv[window_size=0]", "window_size must be an int >= 1"),
+                          ("snapkv[kernel_size=4]", "kernel_size must be odd"),
+                          ("snapkv[nprobe=3]", "its options: window_size, kernel_size")]:
         with pytest.raises(ConfigError, match=message):
             get_method(name).check(cfg)
     with pytest.raises(ValueError, match="unknown method"):

@@ -9,7 +9,9 @@
     quest       token-order pages of P tokens ranked by Quest's min/max bound, every step
     streaming   StreamingLLM: sink + the most recent W + B tokens (the same device KV as the others)
     snapkv      SnapKV: prefill-time eviction; the observation window's pooled attention keeps B middle
-                tokens for good, later tokens leaving the window are evicted
+                tokens for good, later tokens leaving the window are evicted (options ``window_size``, the
+                observation window in tokens, at most the prefill's captured queries, and ``kernel_size``,
+                the pooling width; kvpress's names)
     pqcache     PQCache: product-quantised keys, top-B tokens by approximate attention, every step
 
 Every method except ``full`` runs through `IceCache`, so the device holds the same sink + window + budget
@@ -18,7 +20,8 @@ slots; they differ only in which middle tokens fill the budget slots.
 A *variant* changes a method's settings for its rows only: ``name[key=value;...]``, e.g.
 ``icecache[page_size=4;field_of_view=200]`` or ``quest[page_size=4]``. Keys are `IceCacheConfig` fields (not
 ``budget`` or ``index``) or parameters of the method's pager (merged into ``index_params``), so one run can
-compare configurations side by side from one prefill per sample.
+compare configurations side by side from one prefill per sample. A method's own options (SnapKV's
+``window_size`` and ``kernel_size``) are set the same way: ``snapkv[window_size=16]``.
 """
 
 from __future__ import annotations
@@ -75,14 +78,17 @@ class FixedScorePager(SemanticPager):
         return np.asarray(self.table.page_of(order)), self._scores[order]
 
 
-def snapkv_scores(prefill: Prefill, layer_idx: int, kv_head: int, n_rep: int, kernel: int = 5) -> np.ndarray:
+def snapkv_scores(prefill: Prefill, layer_idx: int, kv_head: int, n_rep: int, kernel: int = 5,
+                  window: int | None = None) -> np.ndarray:
     """SnapKV importance of the prompt positions before the observation window, ``[T - w]``.
 
-    The window's queries attend (causally) to the whole prompt; each prefix position's attention is averaged
-    over the window, average-pooled with ``kernel`` so that neighbours of important tokens survive, and
-    averaged over the GQA group (as kvpress's `SnapKVPress` does; Li et al., 2024, arXiv 2404.14469).
+    The window's queries (the last ``window`` captured ones; None: all of them) attend (causally) to the whole
+    prompt; each prefix position's attention is averaged over the window, average-pooled with ``kernel`` so that
+    neighbours of important tokens survive, and averaged over the GQA group (as kvpress's `SnapKVPress` does;
+    Li et al., 2024, arXiv 2404.14469).
     """
-    q = prefill.obs_queries[layer_idx][kv_head * n_rep : (kv_head + 1) * n_rep].float()  # [n_rep, w, D]
+    captured = prefill.obs_queries[layer_idx]  # [Hq, w_captured, D]; `_snapkv` checks w <= w_captured
+    q = captured[kv_head * n_rep : (kv_head + 1) * n_rep, -(window or captured.shape[1]) :].float()  # [n_rep, w, D]
     K = prefill.kv.layers[layer_idx].keys[0, kv_head].float()  # [T, D]
     T, w = K.shape[0], q.shape[1]
     logits = q @ K.T / math.sqrt(K.shape[-1])  # [n_rep, w, T]
@@ -102,6 +108,9 @@ class Method:
     make: Callable[[Any, Prefill, IceCacheConfig], Any]
     uses_budget: bool = True
     pager: Callable[[IceCacheConfig], str | None] = lambda cfg: None
+    #: the method's own options (not config fields, not pager parameters) and how to make it with them
+    options: tuple[str, ...] = ()
+    with_options: Callable[..., Method] | None = None
 
     def cache(self, model: Any, prefill: Prefill, config: IceCacheConfig) -> Any:
         return self.make(model, prefill, config)
@@ -139,22 +148,41 @@ def _streaming(model: Any, prefill: Prefill, cfg: IceCacheConfig) -> IceCache:
     return IceCache.from_dense(prefill.kv, c, model_config=model.config)
 
 
-def _snapkv(model: Any, prefill: Prefill, cfg: IceCacheConfig) -> IceCache:
-    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    n_rep = text.num_attention_heads // text.num_key_value_heads
-    T = prefill.num_tokens
-    S, W = cfg.sink, cfg.window
-    lo, hi = S, max(S, T - W)  # the prompt's middle positions
+def _snapkv(window_size: int | None = None, kernel_size: int = 5) -> Callable[[Any, Prefill, IceCacheConfig], Any]:
+    """SnapKV with an observation window of ``window_size`` queries (None: every captured one, the cache
+    window) and pooling width ``kernel_size``."""
+    for name, value in (("window_size", window_size), ("kernel_size", kernel_size)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ConfigError(f"snapkv: {name} must be an int >= 1, got {value!r}")
+    if kernel_size % 2 == 0:
+        raise ConfigError(f"snapkv: kernel_size must be odd (the pooling is centred), got {kernel_size}")
 
-    def factory(layer_idx: int, row: int, kv_head: int, head_dim: int) -> SemanticPager:
-        scores = snapkv_scores(prefill, layer_idx, kv_head, n_rep)  # positions [0, T - w)
-        mid = np.full(hi - lo, np.inf)  # the observation window is always kept (as in SnapKV)
-        n = min(len(scores), hi) - lo
-        mid[: max(n, 0)] = scores[lo : lo + max(n, 0)]
-        return FixedScorePager(head_dim, mid)
+    def make(model: Any, prefill: Prefill, cfg: IceCacheConfig) -> IceCache:
+        text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        n_rep = text.num_attention_heads // text.num_key_value_heads
+        T = prefill.num_tokens
+        lo, hi = cfg.sink, max(cfg.sink, T - cfg.window)  # the prompt's middle positions
+        captured = min((q.shape[1] for q in prefill.obs_queries.values()), default=0)
+        if window_size is not None and window_size > captured:
+            raise ConfigError(f"snapkv: window_size={window_size} exceeds the {captured} observation queries the "
+                              "prefill captured (the cache window)")
 
-    # top_p: SnapKV's fixed scores are not q.k, so a mass estimate from them would mean nothing
-    return IceCache.from_dense(prefill.kv, for_pager(cfg, "exact", top_p=None), model_config=model.config, pager_factory=factory)
+        def factory(layer_idx: int, row: int, kv_head: int, head_dim: int) -> SemanticPager:
+            scores = snapkv_scores(prefill, layer_idx, kv_head, n_rep, kernel_size, window_size)  # positions [0, T - w)
+            mid = np.full(hi - lo, np.inf)  # the observation window is always kept (as in SnapKV)
+            n = min(len(scores), hi) - lo
+            mid[: max(n, 0)] = scores[lo : lo + max(n, 0)]
+            return FixedScorePager(head_dim, mid)
+
+        # top_p: SnapKV's fixed scores are not q.k, so a mass estimate from them would mean nothing
+        return IceCache.from_dense(prefill.kv, for_pager(cfg, "exact", top_p=None), model_config=model.config,
+                                   pager_factory=factory)
+
+    return make
+
+
+def _snapkv_method(name: str = "snapkv", **options: Any) -> Method:
+    return Method(name, _snapkv(**options), options=("window_size", "kernel_size"), with_options=_snapkv_method)
 
 
 def _own(cfg: IceCacheConfig) -> str:
@@ -191,8 +219,9 @@ class VariantMethod(Method):
     def check(self, config: IceCacheConfig) -> None:
         assert self.base is not None
         if self.params and self.base.pager(config) is None:
+            own = f"; its options: {', '.join(self.base.options)}" if self.base.options else ""
             raise ConfigError(f"method {self.name!r}: {self.base.name} runs no pager, so it takes no pager parameters "
-                              f"({', '.join(self.params)})")
+                              f"({', '.join(self.params)}){own}")
         try:
             cfg = self.configure(config)  # IceCacheConfig validates the fields
         except ConfigError as err:
@@ -212,10 +241,17 @@ def _variant(name: str, base: Method, settings: dict[str, Any]) -> VariantMethod
     if locked:
         raise ConfigError(f"method {name!r}: a variant cannot set {', '.join(locked)} (budgets come from --budgets, "
                           "the pager from the method: use icecache:<pager>[...])")
+    options = {k: v for k, v in settings.items() if k in base.options}
+    if options:
+        assert base.with_options is not None
+        try:
+            base = base.with_options(base.name, **options)
+        except ConfigError as err:
+            raise ConfigError(f"method {name!r}: {err}") from None
     fields = {k: v for k, v in settings.items() if k in config_fields}
     if "dense_layers" in fields and isinstance(fields["dense_layers"], list):
         fields["dense_layers"] = tuple(fields["dense_layers"])
-    params = {k: v for k, v in settings.items() if k not in config_fields}
+    params = {k: v for k, v in settings.items() if k not in config_fields and k not in options}
 
     def make(model: Any, prefill: Prefill, cfg: IceCacheConfig) -> Any:
         return base.make(model, prefill, variant.configure(cfg))
@@ -237,7 +273,7 @@ def get_method(name: str) -> Method:
         "icecache-r": Method("icecache-r", _ice_reuse, pager=_own),
         "quest": Method("quest", _ice("sequential"), pager=_fixed("sequential")),
         "streaming": Method("streaming", _streaming),
-        "snapkv": Method("snapkv", _snapkv),
+        "snapkv": _snapkv_method(),
         "pqcache": Method("pqcache", _ice("pq"), pager=_fixed("pq")),
     }
     variant = re.fullmatch(r"([^\[\]]+)\[(.*)\]", name)
