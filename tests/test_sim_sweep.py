@@ -12,6 +12,7 @@ from icecache.core.errors import ConfigError, UnknownNameError
 from icecache.sim.cli import main
 from icecache.sim.config import SimConfig
 from icecache.sim.crossover import crossovers, find_crossover
+from icecache.sim.hardware import canonical_hardware, hardware_names
 from icecache.sim.simulator import Simulator
 from icecache.sim.sweep import SweepSpec, parse_contexts, run_configs
 from icecache.sim.testing import synthetic_profile
@@ -155,3 +156,46 @@ def test_crossings_find_a_window_where_the_variant_wins():
     assert [d for _, d in cr] == ["faster", "slower"] and cr[0][0] < cr[1][0]
     flat = sim.with_costs("h100-sxm", SelectGrowth(base, 36_000, 0.0))
     assert find_crossover(flat, cfg) <= find_crossover(sim, cfg)  # a context-free query cost crosses no later
+
+
+@pytest.mark.parametrize("hardware", hardware_names())
+def test_sweep_runs_on_every_shipped_hardware_with_the_shipped_profile(hardware, tmp_path):
+    """The command end to end with the profile shipped in the package (which has the in-decode timings the
+    synthetic profile lacks), serial and on the process pool (110 configurations: above the pool's threshold),
+    the grid cut to two contexts and two thread counts; both backends write the same rows."""
+    out = {}
+    for backend in ("serial", "process"):
+        args = ["sweep", "--hardware", hardware, "--backend", backend, "--workers", "2", "--context", "8k,64k",
+                "--threads", "8,64", "--no-plots", "--out", str(tmp_path / backend)]
+        assert main(args) == 0
+        with open(tmp_path / backend / "results.csv") as f:
+            out[backend] = list(csv.DictReader(f))
+    rows = out["process"]
+    assert len(rows) == 2 * (1 + 3 * 3 * 3 * 2) and {r["hardware"] for r in rows} == {canonical_hardware(hardware)}
+    assert all(math.isfinite(float(r["tpot_s"])) and float(r["tpot_s"]) > 0 for r in rows)
+    assert [r["tpot_s"] for r in rows] == [r["tpot_s"] for r in out["serial"]]
+
+
+def test_sweep_with_no_arguments_runs(tmp_path):
+    """``python -m icecache.sim sweep`` exactly as the design card gives it: every default, a fresh process."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-m", "icecache.sim", "sweep"], capture_output=True, text=True, cwd=tmp_path,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "simulating 984 configurations" in done.stdout and "Traceback" not in done.stderr
+
+
+def test_lean_profile_costs_what_the_full_profile_costs():
+    """Workers get the profile without raw samples; the in-decode select scaling read from them must survive."""
+    from icecache.sim.cost_models import MeasuredCosts
+    from icecache.sim.inputs import load_profile
+    from icecache.sim.shapes import get_shape
+
+    profile = load_profile(None)
+    assert "decode_index" in profile.samples  # the shipped profile has the timing this guards
+    shape = get_shape("llama-3.1-8b")
+    for pager in profile.samples["decode_index"]:
+        full = MeasuredCosts(profile, extrapolation="allow").select_job_s(shape, pager, 30000, 256, 16)
+        lean = MeasuredCosts(profile.lean(), extrapolation="allow").select_job_s(shape, pager, 30000, 256, 16)
+        assert lean == full

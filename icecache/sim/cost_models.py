@@ -183,7 +183,7 @@ class MeasuredCosts(CostModel):
         t = self._p(name, [max(n, 1), max(budget, 1), page_size], notes)
         dec = f"select_decode/{pager}"
         if dec in self.profile.predictors:
-            ref = self.profile.samples["decode_index"][pager][0]
+            ref = self.profile.decode_index_settings(pager)
             m = self._in_decode_size(dec, n, notes)
             t *= self._p(dec, [m], notes) / self._p(name, [m, ref["budget"], ref["page_size"]], notes)
         return t * self._shape_ratio(shape, "query", notes)

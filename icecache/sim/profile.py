@@ -9,6 +9,7 @@ not). `default_profile_path` is the profile shipped with the package (measured o
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from importlib import resources
@@ -75,6 +76,26 @@ class CalibrationProfile:
                 f"calibration profile has no predictor {name!r} (has: {', '.join(sorted(self.predictors))}); "
                 "re-run `icecache calibrate`"
             ) from None
+
+    def decode_index_settings(self, pager: str) -> dict[str, int]:
+        """``{"budget", "page_size"}`` at which the calibration timed ``pager`` inside the runtime's decode
+        (component ``decode_index``); read from the raw samples, or from ``meta`` in a `lean` profile."""
+        kept = self.meta.get("decode_index_settings", {}).get(pager)
+        if kept is not None:
+            return dict(kept)
+        try:
+            first = self.samples["decode_index"][pager][0]
+        except (KeyError, IndexError, TypeError):
+            raise ConfigError(f"calibration profile has no decode_index timing of pager {pager!r}; re-run "
+                              "`icecache calibrate` with that component") from None
+        return {"budget": int(first["budget"]), "page_size": int(first["page_size"])}
+
+    def lean(self) -> CalibrationProfile:
+        """This profile without its raw samples (what simulator workers get), keeping in ``meta`` the few facts
+        the cost models read from them (`decode_index_settings`)."""
+        kept = {p: self.decode_index_settings(p) for p in self.samples.get("decode_index", {})}
+        meta = {**self.meta, "decode_index_settings": {**self.meta.get("decode_index_settings", {}), **kept}}
+        return dataclasses.replace(self, samples={}, meta=meta)
 
     @property
     def pagers(self) -> list[str]:

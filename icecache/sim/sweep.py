@@ -12,7 +12,6 @@ same chunks as Ray tasks on the cluster named by ``RAY_ADDRESS`` (or a local one
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import time
@@ -132,7 +131,7 @@ class SweepSpec:
 
 def _lean(profile: CalibrationProfile | None) -> CalibrationProfile | None:
     """The profile without raw samples (what workers need)."""
-    return None if profile is None else dataclasses.replace(profile, samples={})
+    return None if profile is None else profile.lean()
 
 
 def _run_chunk(job: tuple[CalibrationProfile | None, HitModel | None, str, list[SimConfig], bool]) -> list[dict[str, Any]]:
