@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import icecache
 from icecache import IceCache, IceCacheConfig
-from icecache.cli import parse_pager_spec
+from icecache.core.spec import parse_spec
 from icecache.eval.tasks import text_window
 from icecache.runtime.attention import use_attention
 
@@ -132,7 +132,7 @@ def main() -> int:
     rows = []
     contexts = [int(x) for x in args.contexts.split(",")]
     warm = torch.tensor([text_window(tok, 256, seed=1)])  # warm-up: first calls allocate, JIT-compile, ...
-    specs = [(p, *parse_pager_spec(p)) for p in args.pagers.split(",")]  # (label, index, params)
+    specs = [(p, *parse_spec(p)) for p in args.pagers.split(",")]  # (label, index, params)
     for _, index, params in specs:
         run_variant(model, warm, IceCacheConfig(index=index, index_params=params, budget=64, threads=args.threads), 4)
     run_variant(model, warm, None, 4)

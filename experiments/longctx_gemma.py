@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import icecache
 from icecache import IceCache, IceCacheConfig
-from icecache.cli import parse_pager_spec
+from icecache.core.spec import parse_spec
 from icecache.eval.harness import run_prefill
 from icecache.eval.tasks import text_window
 from icecache.runtime.attention import (
@@ -48,7 +48,7 @@ def variant_config(spec: str) -> IceCacheConfig:
     pager, _, budget = spec.rpartition("@")
     if not pager or not budget.isdigit():
         raise SystemExit(f"bad variant {spec!r}: expected pager@budget or pager[key=value;...]@budget")
-    index, params = parse_pager_spec(pager)
+    index, params = parse_spec(pager)
     return IceCacheConfig(index=index, budget=int(budget), dense_layers=(), index_params=params)
 
 

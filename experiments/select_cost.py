@@ -79,7 +79,7 @@ def main() -> None:
     args = ap.parse_args()
     from transformers import DynamicCache
 
-    from icecache.cli import parse_pager_spec
+    from icecache.core.spec import parse_spec
 
     t_start = time.perf_counter()
     model, tok = load_model(None)
@@ -93,7 +93,7 @@ def main() -> None:
     res["full_ms"] = full_ms
     print(f"full attention: {full_ms:.1f} ms per step", flush=True)
 
-    name, params = parse_pager_spec(args.index)
+    name, params = parse_spec(args.index)
     cache = IceCache(model.config, IceCacheConfig(index=name, index_params=params, budget=256))
     try:
         with use_attention(model):

@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from icecache import IceCache, IceCacheConfig
-from icecache.cli import parse_pager_spec
+from icecache.core.spec import parse_spec
 from icecache.eval.tasks import text_window
 from icecache.runtime.attention import use_attention
 from icecache.runtime.models import load_model
@@ -44,7 +44,7 @@ def variant_config(spec: str) -> IceCacheConfig:
     pager, _, budget = spec.rpartition("@")
     if not pager or not budget.isdigit():
         raise SystemExit(f"bad variant {spec!r}: expected pager@budget or pager[key=value;...]@budget")
-    index, params = parse_pager_spec(pager)
+    index, params = parse_spec(pager)
     page_size = params.pop("page_size", IceCacheConfig.page_size)
     insert_every = params.pop("insert_every", IceCacheConfig.insert_every)
     return IceCacheConfig(index=index, budget=int(budget), index_params=params, page_size=page_size,

@@ -6,18 +6,17 @@
     text = icecache.generate(model, tokenizer, "...", config=cfg, max_new_tokens=32)
     pager = icecache.make_pager("mdci", head_dim=64, page_size=16, seed=0)
 
-Importing the package only registers the ``"icecache"`` attention function with transformers; every name
-below is imported from its module on first use.
+Importing the package does nothing else: every name below is imported from its module on first use (so
+``import icecache.sim`` loads neither torch nor transformers). The runtime's first use (`IceCache`,
+`load_model`, `generate`) registers the ``"icecache"`` attention function with transformers;
+`register_attention` does it explicitly, for a model switched to ``attn_implementation="icecache"`` first.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from icecache.runtime.attention import register as _register_attention
-
-_register_attention()  # makes attn_implementation="icecache" available to transformers
+from icecache.core.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -36,6 +35,7 @@ _LAZY = {
     "IceCache": "icecache.runtime.cache",
     "generate": "icecache.runtime.generate",
     "GenerationResult": "icecache.runtime.generate",
+    "register_attention": "icecache.runtime.attention",
 }
 
 __all__ = [
@@ -52,6 +52,7 @@ __all__ = [
     "load_model",
     "make_pager",
     "model_settings",
+    "register_attention",
     "register_pager",
 ]
 
@@ -64,6 +65,7 @@ if TYPE_CHECKING:
     from icecache.indexes.registry import available_pagers as available_pagers
     from icecache.indexes.registry import make_pager as make_pager
     from icecache.indexes.registry import register_pager as register_pager
+    from icecache.runtime.attention import register_attention as register_attention
     from icecache.runtime.cache import IceCache as IceCache
     from icecache.runtime.generate import GenerationResult as GenerationResult
     from icecache.runtime.generate import generate as generate
@@ -71,14 +73,4 @@ if TYPE_CHECKING:
     from icecache.runtime.models import model_settings as model_settings
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'icecache' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later look-ups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
+__getattr__, __dir__ = lazy_exports("icecache", _LAZY, globals())

@@ -135,8 +135,9 @@ def _ice_config(args: argparse.Namespace, check_pager: bool = True, **overrides:
 
     ``check_pager``: build one pager with these parameters now, so an unknown index or index parameter fails
     before any model loads (the config alone does not know the registry)."""
-    from icecache.core.config import IceCacheConfig, parse_params
+    from icecache.core.config import IceCacheConfig
     from icecache.core.errors import ConfigError
+    from icecache.core.spec import parse_params
 
     values: dict[str, Any] = {}
     for name in ICE_OPTIONS:
@@ -176,20 +177,6 @@ def _model_settings(args: argparse.Namespace, given: dict[str, Any]) -> dict[str
         print(f"{name}: {shown} (this model's settings, experiments/ruler/README.md; a flag overrides each)",
               file=sys.stderr)
     return settings
-
-
-def parse_pager_spec(spec: str) -> tuple[str, dict]:
-    """``"mdci"`` -> ``("mdci", {})``; ``"mdci[preset=icecache;field_of_view=120]"`` -> ``("mdci", {...})``
-    (the form experiment scripts take in comma-separated lists)."""
-    import re
-
-    from icecache.core.config import parse_params
-    from icecache.core.errors import ConfigError
-
-    m = re.fullmatch(r"\s*([\w-]+)\s*(?:\[(.*)\])?\s*", spec)
-    if m is None:
-        raise ConfigError(f"pager spec must be name or name[key=value;...], got {spec!r}")
-    return m.group(1), parse_params((m.group(2) or "").replace(";", ","))
 
 
 def _print_stats(stats: dict, file=sys.stderr) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from icecache import IceCacheConfig
 from icecache.core.errors import ConfigError
@@ -57,24 +59,50 @@ def test_unknown_pager_parameter_is_a_config_error_naming_the_known_ones(name):
 
 
 def test_params_parse():
-    from icecache.core.config import parse_params
+    from icecache.core.spec import parse_params
 
     assert parse_params(None) == {}
     assert parse_params("field_of_view=120,page_score=mass,fov_scale=0.01,x=true,y=None") == {
         "field_of_view": 120, "page_score": "mass", "fov_scale": 0.01, "x": True, "y": None}
+    assert parse_params("a=1;b=[0,1]") == {"a": 1, "b": [0, 1]}  # ';' separates too; commas inside [...] do not
     for bad in ("oops", "=3", "a b=1"):
         with pytest.raises(ConfigError):
             parse_params(bad)
 
 
 def test_pager_spec_parse():
-    from icecache.cli import parse_pager_spec
+    from icecache.core.spec import parse_spec
 
-    assert parse_pager_spec("sequential") == ("sequential", {})
-    assert parse_pager_spec("mdci[preset=icecache;field_of_view=30]") == ("mdci", {"preset": "icecache", "field_of_view": 30})
-    for bad in ("", "mdci[", "a b"):
+    assert parse_spec("sequential") == ("sequential", {})
+    assert parse_spec("mdci[preset=icecache;field_of_view=30]") == ("mdci", {"preset": "icecache", "field_of_view": 30})
+    assert parse_spec("icecache:ivf[nprobe=3]") == ("icecache:ivf", {"nprobe": 3})
+    for bad in ("", "mdci[", "a b", "mdci[]", "mdci[x]"):
         with pytest.raises(ConfigError):
-            parse_pager_spec(bad)
+            parse_spec(bad)
+
+
+_NAMES = st.from_regex(r"[a-z][a-z0-9_-]{0,8}", fullmatch=True)
+_VALUES = st.one_of(st.integers(-10**6, 10**6), st.booleans(), st.none(),
+                    st.floats(allow_nan=False, allow_infinity=False, width=32),
+                    st.from_regex(r"[a-z][a-z_]{0,6}", fullmatch=True).filter(lambda s: s not in ("true", "false", "null", "none")),
+                    st.lists(st.integers(0, 99), max_size=3))
+
+
+@given(name=_NAMES, params=st.dictionaries(st.from_regex(r"[a-z][a-z_]{0,8}", fullmatch=True), _VALUES, max_size=4))
+@settings(max_examples=200, deadline=None)
+def test_spec_round_trips(name, params):
+    """`format_spec` writes what `parse_spec` reads back, for every value kind a pager parameter takes."""
+    from icecache.core.spec import format_spec, parse_spec
+
+    assert parse_spec(format_spec(name, params)) == (name, params)
+
+
+def test_config_index_takes_a_spec():
+    """Any pager name the runtime reports (``stats()["index"]``) is a valid ``IceCacheConfig.index``."""
+    cfg = IceCacheConfig(index="mdci[search=exhaustive]", index_params={"field_of_view": 30})
+    assert (cfg.index, cfg.index_params) == ("mdci", {"search": "exhaustive", "field_of_view": 30})
+    with pytest.raises(ConfigError, match="disagree on search"):
+        IceCacheConfig(index="mdci[search=exhaustive]", index_params={"search": "tree"})
 
 
 def test_insert_mode_is_checked():

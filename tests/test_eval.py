@@ -217,8 +217,8 @@ def test_index_params_tune_only_the_methods_of_that_pager():
 
 def test_method_variants_change_only_their_settings():
     """``name[key=value;...]``: config fields and pager parameters for that row; one-line errors otherwise."""
-    from icecache.core.config import split_items
     from icecache.core.errors import ConfigError
+    from icecache.core.spec import split_items
 
     cfg = IceCacheConfig(index="mdci", index_params={"preset": "icecache"})
     ice = get_method("icecache[page_size=4;field_of_view=200]")

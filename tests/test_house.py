@@ -47,12 +47,29 @@ def test_no_module_imports_another_modules_private_names():
 
 
 def test_import_icecache_stays_light():
-    """`import icecache` registers the attention function and nothing else heavy: no pager backend, no
-    simulator, no numba kernels, no evaluation code."""
-    code = ("import sys, icecache; heavy = [m for m in ('icecache.indexes.dci', 'icecache.sim', 'icecache.eval', "
-            "'icecache.measure', 'numba', 'faiss', 'hnswlib', 'simpy', 'matplotlib') if m in sys.modules]; print(heavy)")
+    """`import icecache` imports nothing heavy: no torch, no transformers, no pager backend, no simulator, no
+    numba kernels, no evaluation code. The runtime's first use registers the attention function."""
+    code = ("import sys, icecache; heavy = [m for m in ('torch', 'transformers', 'icecache.runtime', "
+            "'icecache.indexes.dci', 'icecache.sim', 'icecache.eval', 'icecache.measure', 'numba', 'faiss', 'hnswlib', "
+            "'simpy', 'matplotlib') if m in sys.modules]; print(heavy)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == "[]", out.stdout
-    out = subprocess.run([sys.executable, "-c", "import icecache; print(icecache.IceCache.__name__, icecache.make_pager.__name__)"],
-                         capture_output=True, text=True, check=True, timeout=120)
-    assert out.stdout.split() == ["IceCache", "make_pager"]
+    code = ("import icecache; from transformers import AttentionInterface; before = 'icecache' in AttentionInterface._global_mapping; "
+            "print(before, icecache.IceCache.__name__, icecache.make_pager.__name__, 'icecache' in AttentionInterface._global_mapping)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.split() == ["False", "IceCache", "make_pager", "True"], out.stdout
+
+
+def test_the_simulator_loads_neither_torch_nor_transformers():
+    """`icecache.sim` is a pure model over `icecache.core`: importing it and running its commands (a sweep on the
+    process pool, the validation, a crossover) loads no torch, transformers or numba."""
+    code = ("import sys, contextlib, io\n"
+            "import icecache.sim\n"
+            "from icecache.sim.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            "    assert main(['sweep', '--hardware', 'h100', '--context', '8k..256k:4', '--workers', '2', '--no-plots']) == 0\n"
+            "    assert main(['validate']) == 0 and main(['crossover']) == 0\n"
+            "print([m for m in ('torch', 'transformers', 'numba', 'icecache.runtime') if m in sys.modules])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from icecache.core.config import parse_params
 from icecache.core.metrics import attention_recall, hit_rate, output_error
+from icecache.core.spec import parse_params
 from icecache.measure.bench_index import KMeansPages, StepMetrics, build_parser, kmeans_groups, oracle_rank, parse_variant
 
 
@@ -60,10 +60,13 @@ def test_oracle_rank_takes_best_pages_first():
 
 
 def test_cli_parser():
-    args = build_parser().parse_args(["--quick", "--mdci", "field_of_view=60,p0=0.05,page_score=mass", "--variant", "a:p0=0.1"])
+    args = build_parser().parse_args(["--quick", "--mdci", "field_of_view=60,p0=0.05,page_score=mass", "--variant",
+                                      "a=mdci[p0=0.1]"])
     assert args.quick and args.mdci == {"field_of_view": 60, "p0": 0.05, "page_score": "mass"}
     assert parse_params("x=None") == {"x": None}
-    assert parse_variant("F30:field_of_view=30", {"p0": 0.1}) == ("mdci[F30]", ("mdci", {"p0": 0.1, "field_of_view": 30}))
-    assert parse_variant("h=hnsw:ef=16", {"p0": 0.1}) == ("h", ("hnsw", {"ef": 16}))
+    assert parse_variant("F30=mdci[field_of_view=30]", {"p0": 0.1}) == ("F30", ("mdci", {"p0": 0.1, "field_of_view": 30}))
+    assert parse_variant("mdci[field_of_view=30]", {"p0": 0.1}) == ("mdci[field_of_view=30]", ("mdci", {"p0": 0.1, "field_of_view": 30}))
+    assert parse_variant("h=hnsw[ef=16]", {"p0": 0.1}) == ("h", ("hnsw", {"ef": 16}))
+    assert parse_variant("hnsw[ef=16]", {}) == ("hnsw[ef=16]", ("hnsw", {"ef": 16}))
     with pytest.raises(SystemExit):  # a malformed --mdci is argparse's one-line error
         build_parser().parse_args(["--mdci", "field_of_view"])

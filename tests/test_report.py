@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from icecache.core.errors import ConfigError
-from icecache.core.report import md_table, parse_tokens, write_csv
+from icecache.core.report import md_table, write_csv
+from icecache.core.spec import parse_tokens
 
 
 def test_parse_tokens_reads_every_form_once():

@@ -56,7 +56,8 @@ class IceCacheConfig:
     window : int
         Number of most recent tokens that always stay on the device (includes the current token).
     index : str
-        Pager backend name, as registered in `icecache.indexes` (``"mdci"``, ``"sequential"``, ...), or
+        Pager backend name, as registered in `icecache.indexes` (``"mdci"``, ``"sequential"``, ...; a spec
+        ``"mdci[search=exhaustive]"`` is split into the name and ``index_params``), or
         ``"auto"``: M-DCI with every key scored (``mdci[search=exhaustive]``) when a head holds fewer offloaded
         keys than this machine's measured crossover, M-DCI's tree search otherwise (`icecache.indexes.auto`;
         ``index_params={"crossover": N}`` fixes it).
@@ -130,6 +131,14 @@ class IceCacheConfig:
         # pagers are made (`icecache.indexes.make_pager`, `IceCache(...)`): core does not know the registry.
         if not isinstance(self.index_params, dict):
             raise ConfigError(f"IceCacheConfig.index_params must be a dict, got {type(self.index_params).__name__}")
+        if "[" in self.index:  # a spec such as stats()["index"] reports: its parameters join index_params
+            from icecache.core.spec import parse_spec
+
+            name, params = parse_spec(self.index)
+            clash = sorted(k for k in params if k in self.index_params and self.index_params[k] != params[k])
+            if clash:
+                raise ConfigError(f"IceCacheConfig: index {self.index!r} and index_params disagree on {', '.join(clash)}")
+            self.index, self.index_params = name, {**params, **self.index_params}
         if not isinstance(self.dense_layers, (tuple, list, set, frozenset, range)) or not all(
             isinstance(i, int) and not isinstance(i, bool) for i in self.dense_layers
         ):
@@ -160,33 +169,3 @@ class IceCacheConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-def split_items(text: str | None) -> list[str]:
-    """Comma-separated items of a command-line list, stripped; commas inside ``[...]`` belong to the item
-    (``"full,icecache[page_size=4,field_of_view=200]"`` -> two items)."""
-    import re
-
-    return [x.strip() for x in re.split(r",(?![^\[]*\])", text or "") if x.strip()]
-
-
-def parse_params(text: str | None) -> dict[str, Any]:
-    """``"field_of_view=120,page_score=mass"`` -> ``{"field_of_view": 120, "page_score": "mass"}``: pager
-    parameters as written on a command line. Values are read as JSON numbers/booleans/null where they parse
-    (``None``/``none`` also mean None), else kept as strings; a malformed item raises `ConfigError`."""
-    import json
-
-    out: dict[str, Any] = {}
-    for item in filter(None, (part.strip() for part in (text or "").split(","))):
-        key, sep, value = item.partition("=")
-        key = key.strip()
-        if not sep or not key.isidentifier():
-            raise ConfigError(f"expected key=value[,key=value...], got {item!r}")
-        if value.strip() in ("None", "none"):
-            out[key] = None
-            continue
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = value
-    return out

@@ -1,7 +1,5 @@
-"""Plain-text results: the one token-count parser, CSV writing and Markdown tables (no torch, no numpy).
+"""Plain-text results: CSV writing and Markdown tables (no torch, no numpy).
 
-    >>> parse_tokens("36k"), parse_tokens("1.5k"), parse_tokens("8192"), parse_tokens("1m")
-    (36000, 1500, 8192, 1000000)
     >>> print(md_table(["method", "recall"], [["mdci", 0.98765], ["exact", float("nan")]]))
     | method | recall |
     |---|---|
@@ -18,27 +16,9 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from icecache.core.errors import ConfigError, InputError
+from icecache.core.errors import InputError
 
-__all__ = ["parse_tokens", "write_csv", "md_table", "format_cell"]
-
-
-def parse_tokens(text: str | int, k: int = 1000) -> int:
-    """A token count as written on a command line: ``"36k"`` -> 36000, ``"1.5k"`` -> 1500, ``"1m"`` ->
-    1000000, ``"8192"`` -> 8192 (an int passes through). Case and surrounding blanks are ignored; the result is
-    rounded to the nearest integer. Anything else raises `ConfigError`. ``k=1024``: RULER's binary lengths
-    (``"4k"`` -> 4096, ``"1m"`` -> 1048576)."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        return text
-    t = str(text).strip().lower()
-    mult = {"k": k, "m": k * k}.get(t[-1:], 1)
-    try:
-        value = float(t[:-1] if mult > 1 else t)
-    except ValueError:
-        raise ConfigError(f"cannot read a token count from {text!r} (examples: 4096, 36k, 1.5k, 1m)") from None
-    if not math.isfinite(value):
-        raise ConfigError(f"cannot read a token count from {text!r} (examples: 4096, 36k, 1.5k, 1m)")
-    return int(round(value * mult))
+__all__ = ["write_csv", "md_table", "format_cell"]
 
 
 def write_csv(path: str | Path, rows: Sequence[Mapping[str, Any]], *, float_format: str | None = None) -> Path:

@@ -14,8 +14,8 @@ import sys
 import time
 from typing import Any
 
-from icecache.core.config import split_items
 from icecache.core.errors import ConfigError
+from icecache.core.spec import parse_spec, split_items
 
 TASKS = ("passkey", "needle", "ppl", "longgen", "ruler")
 #: Methods that run the configured pager (``--index``, ``--index-params``).
@@ -98,7 +98,7 @@ def check_eval_flags(args: argparse.Namespace, given_ice: list[str]) -> None:
     for dest, (flag, tasks, unset) in TASK_FLAGS.items():
         if getattr(args, dest) != unset and args.task not in tasks:
             raise ConfigError(f"{flag} applies to eval {'/'.join(tasks)}, not to eval {args.task}")
-    methods = [m.split("[", 1)[0] for m in split_items(args.methods)]  # a variant name[...] is its base's
+    methods = [parse_spec(m)[0] for m in split_items(args.methods)]  # a variant name[...] is its base's
     pager_flags = [f for f in given_ice if f in ("--index", "--index-params")]
     if pager_flags and not any(m in CONFIGURED_PAGER_METHODS for m in methods):
         raise ConfigError(f"{' and '.join(pager_flags)} {'tune' if len(pager_flags) > 1 else 'tunes'} the methods {', '.join(CONFIGURED_PAGER_METHODS)}; "

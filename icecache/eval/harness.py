@@ -18,7 +18,7 @@ from transformers.cache_utils import DynamicLayer
 
 from icecache.core.errors import ConfigError
 from icecache.measure.capture import recording
-from icecache.runtime.attention import ATTENTION_NAME, register, use_attention
+from icecache.runtime.attention import ATTENTION_NAME, use_attention
 
 __all__ = ["check_fits_context", "Prefill", "run_prefill", "clone_kv", "growing_kv", "GrowingLayer", "decode_greedy", "decode_forced"]
 
@@ -119,7 +119,6 @@ def decode_greedy(
     report a physical length (kvpress); our caches report logical lengths and need none.
     ``stop_when(tokens)``: also stop once it returns True (for a score that more tokens cannot change).
     """
-    register()
     tokens: list[int] = []
     logits = first_logits
     with use_attention(model, ATTENTION_NAME):
@@ -137,7 +136,6 @@ def decode_greedy(
 @torch.inference_mode()
 def decode_forced(model: Any, cache: Any, first_logits: torch.Tensor, targets: list[int]) -> torch.Tensor:
     """Teacher forcing: negative log-likelihood of each of ``targets`` given everything before it, ``[N]``."""
-    register()
     nll = torch.empty(len(targets))
     logits = first_logits
     with use_attention(model, ATTENTION_NAME):

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -36,9 +35,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from icecache.core.config import IceCacheConfig, parse_params
+from icecache.core.config import IceCacheConfig
 from icecache.core.errors import ConfigError, UnknownNameError
 from icecache.core.pager import SemanticPager
+from icecache.core.spec import parse_spec
 from icecache.eval.harness import Prefill, growing_kv
 from icecache.indexes.registry import available_pagers
 from icecache.runtime.cache import IceCache
@@ -276,16 +276,12 @@ def get_method(name: str) -> Method:
         "snapkv": _snapkv_method(),
         "pqcache": Method("pqcache", _ice("pq"), pager=_fixed("pq")),
     }
-    variant = re.fullmatch(r"([^\[\]]+)\[(.*)\]", name)
-    if variant is not None:
-        base = get_method(variant.group(1))
+    if "[" in name:
         try:
-            settings = parse_params(variant.group(2).replace(";", ","))
+            base_name, settings = parse_spec(name)
         except ConfigError as err:
-            raise ConfigError(f"method {name!r}: {err}") from None
-        if not settings:
-            raise ConfigError(f"method {name!r}: empty brackets; write {variant.group(1)} or {variant.group(1)}[key=value;...]")
-        return _variant(name, base, settings)
+            raise ConfigError(f"method {err}") from None
+        return _variant(name, get_method(base_name), settings)
     if name in fixed:
         return fixed[name]
     if name.startswith("icecache:"):

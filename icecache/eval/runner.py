@@ -58,8 +58,8 @@ class EvalSpec:
 
 
 def parse_length(s: str) -> int:
-    """``"4k"`` -> 4000, ``"8192"`` -> 8192 (`icecache.core.report.parse_tokens`)."""
-    from icecache.core.report import parse_tokens
+    """``"4k"`` -> 4000, ``"8192"`` -> 8192 (decimal k: `icecache.core.spec.parse_tokens`; RULER's lengths are binary)."""
+    from icecache.core.spec import parse_tokens
 
     return parse_tokens(s)
 

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 from icecache.core.errors import ConfigError, UnknownNameError
 from icecache.core.pager import SemanticPager
+from icecache.core.spec import parse_spec
 
 _REGISTRY: dict[str, type[SemanticPager]] = {}
 _discovered = False
@@ -63,8 +64,11 @@ def get_pager_class(name: str) -> type[SemanticPager]:
 
 
 def make_pager(name: str, head_dim: int, page_size: int = 16, seed: int = 0, **params: Any) -> SemanticPager:
-    """Create a pager backend by name. ``params`` are the backend's own keyword arguments (an unknown one raises
+    """Create a pager backend by name or spec (``"mdci"``, ``"mdci[search=exhaustive]"``: `icecache.core.spec`).
+    ``params`` are the backend's own keyword arguments, on top of the spec's (an unknown one raises
     `ConfigError` listing the backend's parameters)."""
+    name, spec_params = parse_spec(name)
+    params = {**spec_params, **params}
     cls = get_pager_class(name)
     accepted = inspect.signature(cls.__init__).parameters
     if not any(param.kind is inspect.Parameter.VAR_KEYWORD for param in accepted.values()):  # else the pager checks

@@ -105,8 +105,10 @@ def icecache_attention(
     return cache.layers[layer_idx].attend(query, scale, cache.shared_selection(layer_idx)), None
 
 
-def register() -> None:
-    """Register ``"icecache"`` with transformers (idempotent)."""
+def register_attention() -> None:
+    """Register ``"icecache"`` with transformers' attention and mask registries (idempotent). Importing
+    `icecache.runtime` (any of its modules: `IceCache`, `load_model`, `generate`) does it; call it yourself
+    to select ``attn_implementation="icecache"`` on a model before touching the runtime."""
     AttentionInterface.register(ATTENTION_NAME, icecache_attention)
     AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
 
@@ -119,7 +121,7 @@ def use_attention(model: Any, name: str = ATTENTION_NAME) -> Iterator[None]:
     first if needed; any other name must already be known to transformers (``"sdpa"``, ``"eager"``, ...).
     """
     if name == ATTENTION_NAME:
-        register()
+        register_attention()
     previous = model.config._attn_implementation
     model.set_attn_implementation(name)
     try:

@@ -63,7 +63,7 @@ class IceCache(Cache):
         Positions the generation will reach (prompt + new tokens). Device buffers are sized for it at prefill;
         without it they are sized for the prompt and grow (amortised) while decoding. Never changes outputs.
 
-    Use with ``model.set_attn_implementation("icecache")`` (``import icecache`` registers it) and
+    Use with ``model.set_attn_implementation("icecache")`` (importing this module registers it) and
     ``model.generate(..., past_key_values=cache)``. One cache serves one generation. Close it (or use it as a
     context manager) to stop its worker threads; `stats` reports times, bytes and memory.
 

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from icecache.core.errors import ConfigError, UnknownNameError
-from icecache.core.report import parse_tokens, write_csv
+from icecache.core.report import write_csv
+from icecache.core.spec import parse_tokens
 from icecache.sim.config import VARIANTS, SimConfig
 from icecache.sim.crossover import crossovers, describe_crossover
 from icecache.sim.engine import STAGES

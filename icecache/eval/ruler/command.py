@@ -20,16 +20,14 @@ from typing import Any
 
 from icecache.core.errors import ConfigError
 
-#: RULER's lengths are powers of two: "4k" means 4096 tokens here.
-RULER_K = 1024
-
 
 def parse_ruler_length(text: str) -> int:
-    """``"4k"`` -> 4096, ``"8192"`` -> 8192 (RULER's binary k); one-line `ConfigError` otherwise."""
-    from icecache.core.report import parse_tokens
+    """``--lengths`` item: ``"4k"`` -> 4096 (RULER's binary k, `icecache.core.spec.parse_ruler_length`); one-line
+    `ConfigError` otherwise."""
+    from icecache.core.spec import parse_ruler_length as parse
 
     try:
-        value = parse_tokens(text, k=RULER_K)
+        value = parse(text)
     except ConfigError:
         raise ConfigError(f"--lengths: expected a token count like 4k or 8192, got {text!r}") from None
     if value < 1:
@@ -38,7 +36,7 @@ def parse_ruler_length(text: str) -> int:
 
 
 def _split(text: str) -> list[str]:
-    from icecache.core.config import split_items
+    from icecache.core.spec import split_items
 
     return split_items(text)
 

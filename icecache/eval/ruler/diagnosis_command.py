@@ -30,7 +30,7 @@ CLASSES = ("model", "budget", "page miss", "search miss")
 
 def parse_targets(text: str) -> list[tuple[str, str]]:
     """``"icecache@256,quest@64"`` -> ``[("icecache", "256"), ("quest", "64")]``; one-line `ConfigError` otherwise."""
-    from icecache.core.config import split_items
+    from icecache.core.spec import split_items
     from icecache.eval.methods import get_method
 
     out = []

@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from icecache.core.config import parse_params
 from icecache.core.errors import ConfigError
 from icecache.core.report import md_table, write_csv
+from icecache.core.spec import format_spec, parse_params, parse_spec
 from icecache.measure.bench_index.plots import pareto_front, plot_pareto, plot_results
 from icecache.measure.bench_index.quality import PARETO_SWEEP, evaluate_head
 from icecache.measure.bench_index.scaling import scaling_point, slope, synthetic_clustered
@@ -34,20 +34,26 @@ DESCRIPTION = "``icecache bench index``: page-selection quality and speed of the
 
 
 def _params_arg(spec: str) -> dict[str, Any]:
-    """`icecache.core.config.parse_params` as an argparse type (its message on a malformed item)."""
+    """`icecache.core.spec.parse_params` as an argparse type (its message on a malformed item)."""
     try:
         return parse_params(spec)
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def parse_variant(spec: str, mdci_defaults: dict[str, Any]) -> tuple[str, tuple[str, dict[str, Any]]]:
-    """``"NAME=PAGER:k=v,..."`` -> ``(NAME, (PAGER, params))``; ``"NAME:k=v"`` is an mdci variant ``mdci[NAME]``."""
-    head, _, params = spec.partition(":")
-    if "=" in head:
-        name, pager = head.split("=", 1)
-        return name, (pager, parse_params(params))
-    return f"mdci[{head}]", ("mdci", {**mdci_defaults, **parse_params(params)})
+def parse_variant(text: str, mdci_defaults: dict[str, Any]) -> tuple[str, tuple[str, dict[str, Any]]]:
+    """``"SPEC"`` or ``"NAME=SPEC"`` (`icecache.core.spec`) -> ``(NAME, (pager, params))``: ``"hnsw[ef=16]"``
+    is named by its spec, ``"F30=mdci[field_of_view=30]"`` by ``F30``; an mdci spec starts from ``--mdci``'s
+    parameters. (Until 2026-12-07 this was ``NAME:k=v`` for ``NAME=mdci[k=v]`` and ``NAME=PAGER:k=v``.)"""
+    label, sep, rest = text.partition("=")
+    if sep and "[" not in label:
+        name, spec = label.strip(), rest
+    else:
+        name, spec = None, text
+    pager, params = parse_spec(spec)
+    if pager == "mdci":
+        params = {**mdci_defaults, **params}
+    return name or format_spec(pager, parse_spec(spec)[1]), (pager, params)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,15 +75,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="registered pagers compared in part A besides exact and sequential (default mdci,ivf,hnsw,pq)")
     p.add_argument("--pareto", action="store_true",
                    help="also sweep each backend's speed/quality knob and plot attention recall vs select time (pareto.*)")
-    p.add_argument("--variant", action="append", default=[], metavar="NAME[=PAGER]:K=V,...",
-                   help="an extra mdci configuration to compare in part A (repeatable), e.g. 'p0=0.1:p0=0.1'")
+    p.add_argument("--variant", action="append", default=[], metavar="[NAME=]PAGER[K=V;...]",
+                   help="an extra pager configuration to compare in part A (repeatable), e.g. 'F30=mdci[field_of_view=30]' "
+                        "or 'hnsw[ef=16]'; an mdci one starts from --mdci")
     p.add_argument("--no-kmeans", action="store_true", help="skip the k-means reference")
     p.add_argument("--sizes", default=",".join(str(s) for s in DEFAULT_SIZES), help="part B key counts (multiples of 8192)")
     p.add_argument("--scaling-layers", default="2,4", help="layers captured for part B (default 2,4)")
     p.add_argument("--scaling-queries", type=int, default=8, help="query positions per part-B point (default 8)")
     p.add_argument("--scaling-budgets", default="128", help="comma-separated budgets of part B (default 128)")
-    p.add_argument("--scaling-variant", action="append", default=[], metavar="NAME:K=V,...",
-                   help="an extra mdci configuration for part B (repeatable), e.g. 'F30:field_of_view=30'")
+    p.add_argument("--scaling-variant", action="append", default=[], metavar="[NAME=]mdci[K=V;...]",
+                   help="an extra mdci configuration for part B (repeatable), e.g. 'F30=mdci[fov_scale=0]'")
     p.add_argument("--scaling-kmeans", action="store_true",
                    help="part B, real keys: also the k-means page reference (as many pages as mdci; slow at 128k+)")
     p.add_argument("--no-scaling", action="store_true", help="skip part B")
@@ -306,8 +313,10 @@ def run_scaling(model: Any, ids_all: torch.Tensor, args: argparse.Namespace, siz
     s_budgets = [int(b) for b in args.scaling_budgets.split(",") if b]
     s_variants: dict[str, dict[str, Any]] = {"mdci": mdci_params}
     for v in args.scaling_variant:
-        name, _, spec = v.partition(":")
-        s_variants[f"mdci[{name}]"] = {**mdci_params, **parse_params(spec)}
+        name, (pager, params) = parse_variant(v, mdci_params)
+        if pager != "mdci":
+            raise ConfigError(f"--scaling-variant {v!r}: part B compares M-DCI variants; write NAME=mdci[k=v;...]")
+        s_variants[name] = params
     nwin = max(sizes) // WINDOW_TOKENS
     keys_cat, q_by_window, cap_s = _capture_windows(model, ids_all, args, s_layers, nwin)
     scaling_rows = res.scaling_rows
