@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from icecache.core.config import cli_fields
 from icecache.eval.command import positive_int
 
 
@@ -87,31 +88,11 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-#: IceCacheConfig fields the command line sets: field -> (flag, value parser, help). Defaults are never
-#: restated here: each option's default is None ("not given") and the config's own default applies.
+#: IceCacheConfig fields the command line sets: field -> (flag, value parser, help), generated from the fields'
+#: metadata (`icecache.core.config.cli_fields`). Defaults are never restated here: each option's default is None
+#: ("not given") and the config's own default applies.
 ICE_OPTIONS: dict[str, tuple[str, Any, str]] = {
-    "index": ("--index", str, "pager backend (icecache info lists them), or auto: mdci scoring every key below this "
-                              "machine's crossover, mdci's tree search above"),
-    "budget": ("--budget", int, "middle tokens attended per layer and KV head"),
-    "index_params": ("--index-params", str, "parameters of the --index pager, e.g. field_of_view=120,page_score=mass"),
-    "page_size": ("--page-size", int, "tokens per page"),
-    "sink": ("--sink", int, "first tokens always on the device"),
-    "window": ("--window", int, "recent tokens always on the device"),
-    "dense_layers": ("--dense-layers", str, "comma-separated layers that keep full KV ('' for none)"),
-    "reuse_every": ("--reuse-every", int, "IceCache(r): reuse a selection for r layers"),
-    "threads": ("--threads", int, "CPU threads for index work (0: all)"),
-    "seed": ("--seed", int, "random seed of the pagers"),
-    "heap_policy": ("--heap-policy", str, "glibc heap growth over long runs: trim, pin or none"),
-    "insert_every": ("--insert-every", int, "tokens that leave the window together (the window holds up to window + this - 1)"),
-    "inserts": ("--inserts", str, "where decode inserts run: background (a worker thread), inline (the decode thread) or auto"),
-    "top_p": ("--top-p", float, "adaptive budget: keep the ranked pages whose estimated attention mass reaches this share (0-1]"),
-}
-
-
-def _choices() -> dict[str, tuple[str, ...]]:
-    from icecache.core.config import HEAP_POLICIES, INSERT_MODES
-
-    return {"heap_policy": HEAP_POLICIES, "inserts": INSERT_MODES}
+    f.name: (f.metadata["flag"], f.metadata["parse"], f.metadata["help"]) for f in cli_fields()}
 
 
 def _config_default(name: str) -> Any:
@@ -157,9 +138,9 @@ def _ice_config(args: argparse.Namespace, check_pager: bool = True, **overrides:
         values.setdefault(name, value)
     config = IceCacheConfig(**values)
     if check_pager:
-        from icecache.indexes.auto import check_index
+        from icecache.runtime.pager_choice import check_pager_config
 
-        check_index(config.index, config.index_params, head_dim=8, page_size=config.page_size, seed=config.seed)
+        check_pager_config(config, head_dim=8)
     return config
 
 
@@ -282,12 +263,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def _add_ice_options(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
     g = p.add_argument_group("IceCache (defaults: IceCacheConfig's)")
-    for name, (flag, kind, text) in ICE_OPTIONS.items():
-        if name in skip:
+    for f in cli_fields():
+        if f.name in skip:
             continue
-        choices = _choices()
-        extra: dict[str, Any] = {"choices": choices[name]} if name in choices else {}
-        g.add_argument(flag, dest=name, type=kind, default=None, help=f"{text} (default {_config_default(name)})", **extra)
+        meta = f.metadata
+        extra: dict[str, Any] = {"choices": meta["choices"]} if meta["choices"] else {}
+        g.add_argument(meta["flag"], dest=f.name, type=meta["parse"], default=None,
+                       help=f"{meta['help']} (default {_config_default(f.name)})", **extra)
 
 
 def _parser(sub: Any, name: str, **kw: Any) -> argparse.ArgumentParser:

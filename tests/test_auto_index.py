@@ -99,7 +99,7 @@ def test_auto_runs_exactly_the_pager_it_chose(crossover, chosen, params):
 
 
 def test_the_machine_crossover_is_measured_once_and_stored(tmp_path, monkeypatch):
-    import icecache.runtime.auto_index as auto_index
+    import icecache.runtime.pager_choice as auto_index
 
     monkeypatch.setenv("ICECACHE_CACHE", str(tmp_path))
     calls = []

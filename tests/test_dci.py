@@ -1,4 +1,5 @@
-"""Property tests of the DCI index (`icecache.indexes.dci`) against brute force: DCI_SPEC.md section 7."""
+"""Property tests of the DCI index (`icecache.indexes.dci`) against brute force: the numbered properties of
+docs/index.md, Invariants."""
 
 from __future__ import annotations
 
@@ -87,7 +88,8 @@ def test_multi_level_exhaustive_is_exact(seed, n, d, k, metric, clustered, prese
 
 
 def reference_walk(idx: DCIIndex, Q: np.ndarray, k: int, cfg: SearchConfig) -> tuple[np.ndarray, np.ndarray]:
-    """DCI_SPEC.md section 1 written out in plain Python over the index's own sorted runs (one level).
+    """docs/index.md, Prioritized search inside one cluster, written out in plain Python over the index's own
+    sorted runs (one level).
 
     Every query of the group walks separately; the candidates are the union; a candidate's distance is the
     minimum over the group. Returns the top min(k, n) as (ids, dists) sorted by (dist, id)."""
@@ -214,7 +216,7 @@ def assert_parents_are_nearest(idx: DCIIndex, tol: float = 1e-6) -> None:
 
 
 def reference_schedule(n: int, p0: float, p1: float) -> list[int]:
-    """MD's deterministic schedule written straight from DCI_SPEC.md section 3 (slow, obvious)."""
+    """MD's deterministic schedule written straight from docs/index.md, promotion schedule (slow, obvious)."""
     counts: list[int] = []
     nxt, out = 0, []
     for _ in range(n):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -73,3 +74,63 @@ def test_the_simulator_loads_neither_torch_nor_transformers():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the package modules it imports anywhere in its source (module level, inside functions, under
+    TYPE_CHECKING): ``from pkg import submodule`` counts as importing the submodule."""
+    modules = {_module_name(p): p for p in _modules()}
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                continue
+            graph[name].update(t for t in targets if t in modules and t != name)
+    return graph
+
+
+def test_the_import_graph_has_no_cycle():
+    """Arrows point down only: no module reaches itself through imports (the cache and its layers once held
+    each other; a layer now gets a `LayerContext`)."""
+    graph = _import_graph()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(module: str) -> list[str] | None:
+        state[module] = 1
+        path.append(module)
+        for target in sorted(graph[module]):
+            if state.get(target) == 1:
+                return path[path.index(target):] + [target]
+            if target not in state and (cycle := visit(target)):
+                return cycle
+        path.pop()
+        state[module] = 2
+        return None
+
+    for module in sorted(graph):
+        if module not in state:
+            cycle = visit(module)
+            assert cycle is None, " -> ".join(cycle)
+    assert "icecache.runtime.cache" not in graph["icecache.runtime.layer"]
+
+
+def test_no_file_cites_notes_outside_the_repository():
+    """The repository stands alone: no file links to ``../shared`` or cites the team's design notes by file name
+    (their content lives in ``docs/``)."""
+    root = PACKAGE.parent
+    tracked = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True, check=True).stdout.split()
+    pattern = re.compile(r"\.\./shared|\b(ICECACHE|DCI_SPEC|HF_INTEGRATION|PEERS|SIM_ANCHORS|STYLE)\.md\b|\bRULER\.md\b")
+    offenders = []
+    for name in tracked:
+        path = root / name
+        if path.suffix not in (".py", ".md", ".toml", ".cfg", ".txt", "") or not path.is_file() or name.startswith("tests/test_house"):
+            continue
+        for lineno, line in enumerate(path.read_text(errors="ignore").splitlines(), 1):
+            if pattern.search(line):
+                offenders.append(f"{name}:{lineno}")
+    assert not offenders, "cite docs/ instead: " + ", ".join(offenders[:20])

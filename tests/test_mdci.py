@@ -1,5 +1,5 @@
-"""The ``mdci`` pager: page invariants (DCI_SPEC.md section 7.11), selection against brute force, the move
-journal, incremental inserts, determinism, edge cases."""
+"""The ``mdci`` pager: page invariants (docs/index.md, Invariants, property 11), selection against brute force,
+the move journal, incremental inserts, determinism, edge cases."""
 
 from __future__ import annotations
 
@@ -37,8 +37,9 @@ def exhaustive(d: int, P: int = 16, **kw) -> MDCIPager:
 
 
 def assert_pages_ok(p: MDCIPager, just_built: bool = False) -> None:
-    """Section 7.11: every token in exactly one page of its cluster, 1 <= size <= P, pages contiguous in
-    projection order with max key of page i <= min key of page i+1; bulk load: ceil(c/P) near-equal pages."""
+    """Property 11 (docs/index.md, Invariants): every token in exactly one page of its cluster, 1 <= size <= P,
+    pages contiguous in projection order with max key of page i <= min key of page i+1; bulk load: ceil(c/P)
+    near-equal pages."""
     p.table.check()
     p.index.check()  # includes contiguity of pages in run-0 order and one cluster per page
     idx, tb = p.index, p.table

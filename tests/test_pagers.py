@@ -357,3 +357,45 @@ def test_exact_layer_select_equals_each_pagers_own(n, budget, heads, threads, se
     q = torch.from_numpy(rng.standard_normal((1, heads, 3, 16)).astype(np.float32))
     assert_layer_select_is_each_pagers_own(pagers, q, budget)
 
+
+
+@pytest.mark.parametrize("name", ALL)
+@settings(max_examples=10, deadline=None)
+@given(n=st.integers(0, 400), heads=st.integers(1, 3), budget=st.integers(0, 90), P=st.integers(1, 9),
+       seed=st.integers(0, 1000))
+def test_generic_layer_select_is_each_pagers_own_or_absent(name, n, heads, budget, P, seed):
+    """The declared fast path (`SemanticPager.select_layer_positions`): every backend either has none (None,
+    the default) or gives each head exactly its own `select_arrays`; the runtime's `select_layer` agrees
+    either way, and a pager that opts out (``layer_select = False``) is never served by it."""
+    gen = torch.Generator().manual_seed(seed)
+    pagers = [make_pager(name, head_dim=8, page_size=P, seed=seed) for _ in range(heads)]
+    for pager in pagers:
+        pager.build(torch.randn(n, 8, generator=gen))
+    q = torch.randn(1, heads, 2, 8, generator=gen)
+    heads_out = type(pagers[0]).select_layer_positions(pagers, q[0], budget)
+    if heads_out is not None:
+        assert budget > 0 and len(heads_out) == heads
+        for pager, (pages, indptr, positions) in zip(pagers, heads_out):
+            want = pager.select_arrays(q[0, pagers.index(pager)], budget, check=False)
+            assert pages.tolist() == want[0].tolist() and indptr.tolist() == want[1].tolist()
+            assert positions.tolist() == want[2].tolist()
+    assert_layer_select_is_each_pagers_own(pagers, q, max(budget, 1))
+    pagers[0].layer_select = False
+    assert type(pagers[0]).select_layer_positions(pagers, q[0], budget) is None
+
+
+def test_a_fast_path_that_breaks_the_budget_rule_is_caught():
+    """The base class owns the budget rule: a backend's `_select_layer` returning too many tokens fails loudly."""
+    from icecache.indexes.exact import ExactPager
+
+    class Greedy(ExactPager):
+        @classmethod
+        def _select_layer(cls, pagers, queries, budget):
+            n = len(pagers[0])
+            return [(np.arange(n), np.arange(n + 1), np.arange(n)) for _ in pagers]
+
+    pagers = [Greedy(head_dim=8) for _ in range(2)]
+    for pager in pagers:
+        pager.build(torch.randn(40, 8))
+    with pytest.raises(AssertionError, match="broke the selection contract"):
+        Greedy.select_layer_positions(pagers, torch.randn(2, 1, 8), 10)

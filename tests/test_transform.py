@@ -1,4 +1,4 @@
-"""MIPS -> L2 transforms (DCI_SPEC.md section 4, property 9)."""
+"""MIPS -> L2 transforms (docs/index.md: MIPS to L2 transform; Invariants, property 9)."""
 
 from __future__ import annotations
 

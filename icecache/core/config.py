@@ -1,10 +1,11 @@
-"""`IceCacheConfig`: the knobs every method shares (see ICECACHE.md section 2)."""
+"""`IceCacheConfig`: the knobs every method shares (see docs/method.md, Definitions)."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from icecache.core.errors import ConfigError
@@ -38,6 +39,16 @@ def inserts_in_background(mode: str, accelerator: bool, free_cores: int) -> bool
 
 #: glibc heap policies (`IceCacheConfig.heap_policy`)
 HEAP_POLICIES: tuple[str, ...] = ("trim", "pin", "none")
+
+
+def _flag(flag: str, parse: Any, help: str, choices: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """A field's command-line metadata: its flag, the parser of the flag's text, one line of help, choices."""
+    return {"flag": flag, "parse": parse, "help": help, "choices": choices}
+
+
+def cli_fields() -> list[dataclasses.Field]:
+    """The `IceCacheConfig` fields the command line sets (those with a flag), in declaration order."""
+    return [f for f in dataclasses.fields(IceCacheConfig) if "flag" in f.metadata]
 
 
 @dataclass
@@ -101,22 +112,33 @@ class IceCacheConfig:
         but index builds ~40% and TPOT ~3% slower); ``"none"`` leaves the allocator alone. No-op without glibc.
     """
 
-    budget: int = 256
-    page_size: int = 16
-    sink: int = 4
-    window: int = 64
-    index: str = "mdci"
-    index_params: dict[str, Any] = field(default_factory=dict)
-    dense_layers: tuple[int, ...] = (0, 1)
-    reuse_every: int = 1
-    threads: int = 0
-    seed: int = 0
+    # ``metadata["help"]``: the one-line help of the command line's flag (``metadata["flag"]``), which the CLI
+    # generates from these fields (`icecache.cli.ICE_OPTIONS`); a field without it has no flag.
+    budget: int = field(default=256, metadata=_flag("--budget", int, "middle tokens attended per layer and KV head"))
+    page_size: int = field(default=16, metadata=_flag("--page-size", int, "tokens per page"))
+    sink: int = field(default=4, metadata=_flag("--sink", int, "first tokens always on the device"))
+    window: int = field(default=64, metadata=_flag("--window", int, "recent tokens always on the device"))
+    index: str = field(default="mdci", metadata=_flag(
+        "--index", str, "pager backend or spec (icecache info lists them), or auto: mdci scoring every key below this "
+                        "machine's crossover, mdci's tree search above"))
+    index_params: dict[str, Any] = field(default_factory=dict, metadata=_flag(
+        "--index-params", str, "parameters of the --index pager, e.g. field_of_view=120,page_score=mass"))
+    dense_layers: tuple[int, ...] = field(default=(0, 1), metadata=_flag(
+        "--dense-layers", str, "comma-separated layers that keep full KV ('' for none)"))
+    reuse_every: int = field(default=1, metadata=_flag("--reuse-every", int, "IceCache(r): reuse a selection for r layers"))
+    threads: int = field(default=0, metadata=_flag("--threads", int, "CPU threads for index work (0: all)"))
+    seed: int = field(default=0, metadata=_flag("--seed", int, "random seed of the pagers"))
     trace: bool = False
     gqa: str = "union"
-    heap_policy: str = "trim"
-    inserts: str = "auto"
-    insert_every: int = 1
-    top_p: float | None = None
+    heap_policy: str = field(default="trim", metadata=_flag(
+        "--heap-policy", str, "glibc heap growth over long runs: trim, pin or none", HEAP_POLICIES))
+    inserts: str = field(default="auto", metadata=_flag(
+        "--inserts", str, "where decode inserts run: background (a worker thread), inline (the decode thread) or auto",
+        INSERT_MODES))
+    insert_every: int = field(default=1, metadata=_flag(
+        "--insert-every", int, "tokens that leave the window together (the window holds up to window + this - 1)"))
+    top_p: float | None = field(default=None, metadata=_flag(
+        "--top-p", float, "adaptive budget: keep the ranked pages whose estimated attention mass reaches this share (0-1]"))
 
     def __post_init__(self) -> None:
         for name, (lo, hi) in _INT_RANGES.items():
@@ -169,3 +191,9 @@ class IceCacheConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def cache_root() -> Path:
+    """Directory of icecache's caches (converted models, this machine's measurements): ``$ICECACHE_CACHE`` or
+    ``~/.cache/icecache``."""
+    return Path(os.environ.get("ICECACHE_CACHE") or Path.home() / ".cache" / "icecache")

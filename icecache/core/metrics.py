@@ -1,4 +1,4 @@
-"""Selection quality metrics (ICECACHE.md section 2). Pure functions: tensors in, a float out.
+"""Selection quality metrics (docs/method.md, Definitions). Pure functions: tensors in, a float out.
 
 Shapes: ``queries`` ``[g, d]`` are the query heads of one GQA group; ``keys`` ``[n, d]`` and ``values``
 ``[n, dv]`` the KV of one KV head. Scores are ``scale * q.k`` with ``scale = 1/sqrt(d)`` unless given.

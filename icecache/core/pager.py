@@ -2,16 +2,26 @@
 
 A pager organises the *middle* keys of one (layer, KV head) into pages of at most ``page_size`` tokens
 and, given the queries of one GQA group, returns the pages to attend, ranked, in whole pages, never more
-than ``budget`` tokens (ICECACHE.md section 2, the budget rule). Positions are pager-local: `build` numbers
+than ``budget`` tokens (docs/method.md, The budget rule). Positions are pager-local: `build` numbers
 its keys ``0..n-1`` and every `insert` continues from there.
 
 A backend subclasses `SemanticPager` and fills in three methods (`_build`, `_insert`, `_rank_pages`);
-input checks, the budget rule and the page bookkeeping live here, once.
+input checks, the budget rule and the page bookkeeping live here, once. Optional members, each with a default
+that is always correct (a backend overrides them only to be faster):
+
+* ``select_threads`` (default 1): threads a select's scan may use, where the backend has a parallel scan;
+  results never depend on it.
+* ``layer_select`` (default True): whether the pager takes part in a layer's one-call selection.
+* `_select_layer` (default: none): one call that selects for every KV head of one layer row, behind the public
+  `select_layer_positions`, which checks its inputs and the budget rule.
+* `insert_one_stored` with ``stores_inserts`` (default: the journal): write a decode insert into a host store
+  directly.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -139,8 +149,9 @@ class SemanticPager(ABC):
     Not thread-safe: use one pager per (layer, KV head), and one thread at a time per pager.
 
     ``select_threads`` (default 1): threads a select may use for its scan, where the backend has a parallel one
-    (``exact``, ``sequential``); results never depend on it. The runtime raises it when no background work
-    shares the cores (`icecache.runtime.cache.IceCache`).
+    (``exact``, ``sequential``, ``mdci``); results never depend on it. The runtime raises it when no background
+    work shares the cores (`icecache.runtime.cache.IceCache`). ``layer_select`` (default True): whether the pager
+    takes part in `select_layer_positions` (M-DCI's parameter of the same name turns it off).
     """
 
     #: registry name (set by `icecache.indexes.registry.register_pager`)
@@ -160,7 +171,8 @@ class SemanticPager(ABC):
         self.seed = seed
         self.table = PageTable(self._table_page_size(), record_moves=record_moves)
         self._n = 0
-        self.select_threads = 1
+        self.select_threads: int = 1
+        self.layer_select: bool = True
 
     # ------------------------------------------------------------------ public API
     def build(self, keys: ArrayLike) -> None:
@@ -234,6 +246,36 @@ class SemanticPager(ABC):
         page_ids = np.asarray(page_ids, dtype=np.int64)
         j, indptr, positions = self.table.take_within_budget(page_ids, budget)
         return page_ids[:j].copy(), indptr, positions, np.asarray(scores, dtype=np.float32)[:j].copy()
+
+    @classmethod
+    def select_layer_positions(cls, pagers: Sequence[SemanticPager], queries: torch.Tensor,
+                               budget: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None:
+        """One layer row's selection for every KV head in one call, where the backend offers it (`_select_layer`).
+
+        ``pagers`` ``[H]`` (all of this class), ``queries`` ``[H, g, d]`` float32 on the host (the GQA group of
+        each head, union rule). Returns each pager's ``(pages, indptr, positions)``: exactly its own
+        `select_arrays` without the scores; or None, and the caller selects pager by pager: the backend has no
+        fast path, a pager opted out (``layer_select``), ``budget`` is 0, or the pagers cannot share one call.
+        Unchecked queries, as `select_arrays` with ``check=False``: the runtime validates a layer at once.
+        """
+        if budget <= 0 or not pagers or any(type(p) is not cls or not p.layer_select for p in pagers):
+            return None
+        if queries.dim() != 3 or queries.shape[0] != len(pagers) or queries.shape[2] != pagers[0].head_dim:
+            raise InputError(f"select_layer_positions: queries must be [{len(pagers)}, g, {pagers[0].head_dim}], "
+                             f"got {list(queries.shape)}")
+        heads = cls._select_layer(pagers, queries, int(budget))
+        if heads is not None:
+            for pages, indptr, positions in heads:  # the budget rule, which the base class owns
+                if positions.size > budget or indptr[-1] != positions.size or indptr.size != pages.size + 1:
+                    raise AssertionError(f"{cls.__name__}._select_layer broke the selection contract (budget {budget}, "
+                                         f"{positions.size} positions in {pages.size} pages): a bug in that backend")
+        return heads
+
+    @classmethod
+    def _select_layer(cls, pagers: Sequence[SemanticPager], queries: torch.Tensor,
+                      budget: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None:
+        """Backend hook of `select_layer_positions` (inputs checked, ``budget > 0``); None: no fast path."""
+        return None
 
     def pages(self) -> dict[int, torch.Tensor]:
         """``{page id: positions (LongTensor, slot order)}`` for every page."""

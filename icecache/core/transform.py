@@ -1,4 +1,4 @@
-"""MIPS -> Euclidean nearest-neighbour transforms (DCI_SPEC.md section 4).
+"""MIPS -> Euclidean nearest-neighbour transforms (docs/index.md, MIPS to L2 transform).
 
 Maximum inner product search over keys becomes an L2 nearest-neighbour search by lifting every key onto
 a sphere with one extra coordinate and normalising the query:
@@ -62,7 +62,7 @@ def key_key_distance(a: torch.Tensor, b: torch.Tensor, msq: float) -> torch.Tens
     """Half the squared distance between scaled-form transformed keys, ``[len(a), len(b)]``, clamped >= 0.
 
     ``msq - <a_i, b_j> - sqrt((msq - |a_i|^2)(msq - |b_j|^2))`` with ``msq`` = c^2 >= every squared norm
-    (DCI_SPEC.md section 4); used to pick parents during construction.
+    (docs/index.md, MIPS to L2 transform); used to pick parents during construction.
     """
     a64, b64 = a.to(torch.float64), b.to(torch.float64)
     ea = (msq - a64.pow(2).sum(-1)).clamp_min(0.0).sqrt()

@@ -1,4 +1,4 @@
-"""The methods we compare, behind one interface, all at the same budget, sink and window (ICECACHE.md 2).
+"""The methods we compare, behind one interface, all at the same budget, sink and window (docs/method.md, Definitions).
 
     full        dense attention over the whole cache (a plain DynamicCache)
     exact       oracle: the top-B middle tokens by q.k (max over the GQA group), every step
@@ -227,10 +227,10 @@ class VariantMethod(Method):
         except ConfigError as err:
             raise ConfigError(f"method {self.name!r}: {err}") from None
         if self.params:
-            from icecache.indexes.auto import check_index
+            from icecache.runtime.pager_choice import check_pager_config
 
             try:
-                check_index(cfg.index, cfg.index_params, head_dim=8, page_size=cfg.page_size, seed=cfg.seed)
+                check_pager_config(cfg, head_dim=8)
             except ConfigError as err:
                 raise ConfigError(f"method {self.name!r}: {err}") from None
 

@@ -56,7 +56,7 @@ def assign_parents(
 
 @njit(nogil=True, cache=True)
 def md_schedule(n, counts, nxt, p0, p1, cap0, cap1, out_level, out_new_top):
-    """Run the MD deterministic level schedule (DCI_SPEC.md section 3) for ``n`` more points.
+    """Run the MD deterministic level schedule (docs/index.md, promotion schedule) for ``n`` more points.
 
     ``counts`` ``[64]`` (points per level; the number of levels is the count of leading non-zero
     entries, passed as ``counts[63]``) and ``nxt`` ``[1]`` are updated in place. ``cap0``/``cap1`` =
@@ -133,9 +133,9 @@ def cluster_remove(run_key, run_id, Xr, start, size, tid):
 
 @njit(nogil=True, cache=True, fastmath=FASTMATH, inline="always")
 def mips_distance(X, x, Y, row, ext_x, ext_row, msq):
-    """Lifted MIPS distance ``msq - <X[x], Y[row]> - ext_x ext_row`` in float64, clamped at 0 (section 4). One
-    definition, inlined, for every brute-force scan, so that a scan over scattered rows and one over a packed
-    copy of them make the same sums in the same order."""
+    """Lifted MIPS distance ``msq - <X[x], Y[row]> - ext_x ext_row`` in float64, clamped at 0 (docs/index.md,
+    MIPS to L2 transform). One definition, inlined, for every brute-force scan, so that a scan over scattered
+    rows and one over a packed copy of them make the same sums in the same order."""
     s = 0.0
     for a in range(X.shape[1]):
         s += np.float64(X[x, a]) * np.float64(Y[row, a])

@@ -22,7 +22,7 @@ these; the names used throughout):
 
 Distance modes (ascending = better): 0 Euclidean ``min_g |x - q_g|``; 1 MIPS ``-max_g <q_g, x>``;
 2 key-key (MIPS construction) ``min_g max(msq - <q_g, x> - qext_g ext_x, 0)``, half the squared distance
-between scaled-form transformed keys (DCI_SPEC.md section 4).
+between scaled-form transformed keys (docs/index.md, MIPS to L2 transform).
 
 Scratch (one set per thread, see `icecache.indexes.dci_search.thread_scratch`): stamp-tagged arrays so that no
 ``O(n)`` clearing is needed per query. ``stamp[0]`` is a counter that only grows. A search's results are
@@ -188,9 +188,9 @@ def search_cluster(
     cnt, cnt_stamp, cand_stamp, eval_stamp, dist, stamp, desc_stamp, pool_ids, pool_n, gsc, store_g,
     cover, sub,
 ):
-    """Prioritized DCI (DCI_SPEC.md section 1) over the members of cluster ``cidx``, for every query of
-    the group; every newly completed candidate is appended to ``pool_ids`` with its exact distance in
-    ``dist`` (same slot; once per descent). Returns the new pool length.
+    """Prioritized DCI (docs/index.md, Prioritized search inside one cluster) over the members of cluster
+    ``cidx``, for every query of the group; every newly completed candidate is appended to ``pool_ids`` with
+    its exact distance in ``dist`` (same slot; once per descent). Returns the new pool length.
 
     The caller (`descend`) scores a cluster whose search would take every member itself (`_takes_all`), so
     this handles partial searches only. The one-simple-index interval is scored from ``Xr`` (the keys in
@@ -200,8 +200,9 @@ def search_cluster(
 
     ``kk`` is the k of the search (the stop test needs ``min(kk, c)`` candidates). The limits are relative
     to the cluster size ``c``; a negative ``num_*``/``prop_*`` disables its half of the max (the caller
-    has already resolved the case where both halves are disabled). Coverage rule (section 2): the search
-    does not stop before its candidates' descendants (``sub``) sum to ``cover`` (0 disables it).
+    has already resolved the case where both halves are disabled). Coverage rule (docs/index.md, Query
+    descent): the search does not stop before its candidates' descendants (``sub``) sum to ``cover`` (0
+    disables it).
     """
     start = cl_start[cidx]
     c = cl_size[cidx]
@@ -323,7 +324,7 @@ def descend(
     num_to_visit, prop_to_visit, num_to_retrieve, prop_to_retrieve,
     cnt, cnt_stamp, cand_stamp, eval_stamp, dist, stamp, pool_ids, gsc, store_g, per_query_beam,
 ):
-    """Field-of-view beam descent from the root down to ``stop_level`` (DCI_SPEC.md section 2, disjoint
+    """Field-of-view beam descent from the root down to ``stop_level`` (docs/index.md, Query descent; disjoint
     levels). Level ``top_level`` is the root's cluster; at each level the clusters of the expanded nodes
     are searched (k = ``F`` above ``stop_level``, ``kk`` at it), all candidates are pooled, sorted, and the
     prefix ``max(min(F, pool), smallest prefix whose descendants sum to >= cover)`` is expanded next. For a

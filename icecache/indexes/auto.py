@@ -17,7 +17,7 @@ insert are cheaper still. It was dropped for accuracy: on SmolLM2 4k RULER NIAH 
 points below M-DCI at budget 256 (paired bootstrap 95% interval [-7.1, -1.4]); ranking M-DCI's own pages
 exhaustively kept M-DCI's score on the samples where the two disagreed (``experiments/auto_pages/``).
 
-The runtime (`icecache.runtime.cache.IceCache`) decides once per cache, from the middle tokens per head the
+The runtime (`icecache.runtime.pager_choice.resolve_pager`) decides once per cache, from the middle tokens per head the
 generation is expected to hold (prompt, or ``max_cache_len`` when given, minus sink and window), and reports
 the choice in ``stats()["index"]``. A cache that starts below the crossover keeps scoring every key while it
 grows past it (same pages; slower than the tree search there).
@@ -66,29 +66,10 @@ def check_auto_params(params: dict[str, Any]) -> int | None:
     return value
 
 
-def check_index(index: str, params: dict[str, Any], *, head_dim: int, page_size: int, seed: int) -> None:
-    """Raise `ConfigError` unless ``index`` is ``"auto"`` with its parameters, or a registered pager that takes
-    ``params`` (it is made once on a tiny shape to check)."""
-    if index == AUTO:
-        check_auto_params(params)
-        return
-    from icecache.indexes.registry import make_pager
-
-    make_pager(index, head_dim=head_dim, page_size=page_size, seed=seed, **params)
-
-
 def choose_index(middle_keys: int, crossover: int) -> str:
     """``"mdci[search=exhaustive]"`` when a head will hold fewer than ``crossover`` offloaded keys, else
-    ``"mdci"`` (a name of `CHOICES`; `choice_pager` gives its pager and parameters)."""
+    ``"mdci"`` (a name of `CHOICES`)."""
     return CHOICES[0][0] if middle_keys < crossover else CHOICES[1][0]
-
-
-def choice_pager(choice: str) -> tuple[str, dict[str, Any]]:
-    """The pager name and parameters of a `CHOICES` name."""
-    for name, pager, params in CHOICES:
-        if name == choice:
-            return pager, dict(params)
-    raise ValueError(f"not an index='auto' choice: {choice!r}")
 
 
 def crossover_from_times(grid: Sequence[int], scan_s: Sequence[float], index_s: Sequence[float]) -> int:

@@ -8,24 +8,24 @@ This is the index behind the ``mdci`` pager (`icecache.indexes.mdci`), usable on
     idx.insert(more_keys)              # ids continue n, n+1, ...
     ids, dists = idx.query(q, k=10)    # q [64] or a group [g, 64]; dists ascending
 
-The algorithm follows ``DCI_SPEC.md`` (section numbers below refer to it):
+The algorithm is described in ``docs/index.md`` (the section names below are its headings):
 
-* section 1, prioritized DCI: ``M = L * m`` random unit directions from ``numpy.random.Generator(seed)``
-  (``L`` = ``num_comp_indices`` composite indices of ``m`` = ``num_simp_indices`` simple indices), the
-  members of each cluster kept as ``M`` runs sorted by projection, the prioritized walk with the visit and
-  retrieve limits, exact distances for the candidates;
-* sections 2-3, the IF/MD variant: every point lives on exactly one level; the level comes from MD's
-  deterministic schedule (promotion probabilities ``p0`` for level 0 -> 1 and ``p1`` above); the cluster of
-  a node holds the points of the level below whose parent it is (the top level is the cluster of a virtual
-  root); a point's parent is the nearest node of the level above (exact brute force when that level has
-  <= ``brute_force_threshold`` nodes, else the descent with the construction config); queries run the
-  field-of-view beam descent with the coverage rule, *cumulatively* (every node scored on the way down is a
-  result candidate);
-* section 3, insertion: a new point gets the next level of the schedule and a parent by the construction
+* "Prioritized search inside one cluster": ``M = L * m`` random unit directions from
+  ``numpy.random.Generator(seed)`` (``L`` = ``num_comp_indices`` composite indices of ``m`` =
+  ``num_simp_indices`` simple indices), the members of each cluster kept as ``M`` runs sorted by projection,
+  the prioritized walk with the visit and retrieve limits, exact distances for the candidates;
+* "Levels, clusters and the promotion schedule", "Bulk construction", "Query descent and field of view": every
+  point lives on exactly one level; the level comes from MD's deterministic schedule (promotion probabilities
+  ``p0`` for level 0 -> 1 and ``p1`` above); the cluster of a node holds the points of the level below whose
+  parent it is (the top level is the cluster of a virtual root); a point's parent is the nearest node of the
+  level above (exact brute force when that level has <= ``brute_force_threshold`` nodes, else the descent with
+  the construction config); queries run the field-of-view beam descent with the coverage rule, *cumulatively*
+  (every node scored on the way down is a result candidate);
+* "Incremental insert": a new point gets the next level of the schedule and a parent by the construction
   rule; a point promoted to level t > 0 adopts every level-(t-1) node that is strictly closer to it than
   to its current parent (exact scan, margin ``adopt_margin``); when the schedule opens a new top level,
   the new point becomes the only top node and adopts all old top nodes;
-* section 4, MIPS: keys are lifted to ``[k, sqrt(msq - |k|^2)]`` (scaled form; ``msq`` >= every squared
+* "MIPS to L2 transform": keys are lifted to ``[k, sqrt(msq - |k|^2)]`` (scaled form; ``msq`` >= every squared
   key norm) and queries to ``[c q / |q|, 0]`` with ``c = sqrt(msq)`` (MD uses norm 1; see `DCITree.query_proj`
   for why we do not); the query->key distance is ``-<q, k>``; the key->key distance
   (parent choice) is ``msq - <a, b> - sqrt((msq - |a|^2)(msq - |b|^2))``, clamped at 0. When a key longer
@@ -37,7 +37,7 @@ Query groups (GQA): a query ``[g, d]`` is one descent; a point's distance is the
 (MIPS: ``-max_g <q_g, k>``); every query walks each searched cluster separately (candidates = union); the
 beam is ranked by that group distance (``group_beam="shared"``) or kept per query (``"per-query"``).
 
-Pages (section 3, only when a `PageTable` is given): the members of one cluster are stored in pages of at
+Pages ("Pages and splits", only when a `PageTable` is given): the members of one cluster are stored in pages of at
 most ``P`` tokens; with ``page_split="projection"`` (MD) they are contiguous in the run-0 order (projection
 on the first direction, ties by id): bulk load splits a cluster of ``c`` members into ``ceil(c / P)`` pages
 of near-equal size, inserting into a full page first splits it at ``used // 2`` in that order; with
@@ -272,13 +272,13 @@ class DCIIndex:
         return self.tree.index_bytes()
 
     def check(self) -> None:
-        """Raise AssertionError if a structural invariant is broken (DCI_SPEC.md section 7.4, 7.11; O(n log n))."""
+        """Raise AssertionError if a structural invariant is broken (docs/index.md, Invariants 4 and 11; O(n log n))."""
         self.tree.check()
 
 
 class PrioritizedDCI(DCIIndex):
-    """Single-level prioritized DCI (DCI_SPEC.md section 1): every point in one cluster, searched by the
-    prioritized walk with the visit and retrieve limits. Same API as `DCIIndex`.
+    """Single-level prioritized DCI (docs/index.md, Prioritized search inside one cluster): every point in one
+    cluster, searched by the prioritized walk with the visit and retrieve limits. Same API as `DCIIndex`.
 
     Parameters
     ----------

@@ -1,4 +1,4 @@
-"""Bulk construction of a DCI index (``DCI_SPEC.md`` sections 2-3): `build` indexes a set of points from
+"""Bulk construction of a DCI index (``docs/index.md``, Bulk construction): `build` indexes a set of points from
 scratch, `construct` (re)builds parents, sorted cluster runs, descendant counts and pages for the points and
 levels a `icecache.indexes.dci_tree.DCITree` holds (also after a MIPS rekey, see `icecache.indexes.dci_update`).
 

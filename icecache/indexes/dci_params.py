@@ -1,7 +1,7 @@
 """Parameters of the DCI index (`icecache.indexes.dci.DCIIndex`): the stopping rule of one kind of search
 (`SearchConfig`) and every knob of the index (`DCIParams`), with the named presets and the flat keyword names
 that pagers and the command line use to override single knobs (`DCIParams.with_overrides`).
-Section numbers refer to ``DCI_SPEC.md``.
+The algorithm and every knob: ``docs/index.md`` (Parameters and presets).
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ Metric = Literal["euclidean", "mips"]
 
 @dataclass(frozen=True)
 class SearchConfig:
-    """Stopping rule and beam width of one kind of search (query or construction), DCI_SPEC.md section 1-2.
+    """Stopping rule and beam width of one kind of search (query or construction); docs/index.md, Prioritized
+    search inside one cluster and Query descent.
 
     Parameters
     ----------
@@ -66,7 +67,7 @@ class SearchConfig:
 
 @dataclass(frozen=True)
 class DCIParams:
-    """Every knob of the index, with IceCache's values (DCI_SPEC.md section 5, "IceCache -> MD") as defaults.
+    """Every knob of the index, with IceCache's published values as defaults (docs/index.md, Parameters and presets).
 
     Parameters
     ----------

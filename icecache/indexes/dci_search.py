@@ -1,5 +1,5 @@
 """Queries of a DCI index: the k-nearest-neighbour search (`query`) and the page ranking of the ``mdci`` pager
-(`rank_pages`), each one field-of-view beam descent in the compiled kernels (``DCI_SPEC.md`` sections 1-2), and
+(`rank_pages`), each one field-of-view beam descent in the compiled kernels (``docs/index.md``, Query descent), and
 the per-thread scratch buffers every kernel search uses (the construction's parent searches too).
 
 The functions read a `icecache.indexes.dci_tree.DCITree` and never change it, so different trees can be

@@ -4,7 +4,7 @@ tree, the clusters' sorted runs in one slab and the optional page table, with th
 
 The jobs that change it live in their own modules: bulk construction in `icecache.indexes.dci_build`, insertion
 in `icecache.indexes.dci_update`; queries (`icecache.indexes.dci_search`) only read it. `icecache.indexes.dci.DCIIndex`
-is the facade that composes them. Section numbers refer to ``DCI_SPEC.md``.
+is the facade that composes them. Section names refer to ``docs/index.md``.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class DCITree:
     dim : int
         Vector width d (validated by the facade).
     metric : {"euclidean", "mips"}
-        Distance; MIPS lifts the keys (section 4).
+        Distance; MIPS lifts the keys (MIPS to L2 transform).
     params : DCIParams
         Algorithm parameters.
     seed : int
@@ -66,8 +66,8 @@ class DCITree:
     int32 (their ids) and ``vectors_run0`` ``[S, d]`` float32 (the keys again in run-0 order [Xr]).
 
     Levels: ``level_ids[l][: level_counts[l]]`` are the ids on level l (ascending); ``schedule_counts`` and
-    ``schedule_next`` are the state of MD's deterministic level schedule (section 3). ``dirs`` ``[M, dp]``
-    float64 are the unit directions (``dp = d + 1`` in MIPS mode); ``msq`` (MIPS) is the squared norm c^2 the
+    ``schedule_next`` are the state of MD's deterministic level schedule (promotion schedule). ``dirs``
+    ``[M, dp]`` float64 are the unit directions (``dp = d + 1`` in MIPS mode); ``msq`` (MIPS) is the squared norm c^2 the
     keys are lifted with; ``num_rekeys`` counts rebuilds after a longer key arrived.
     """
 
@@ -156,7 +156,7 @@ class DCITree:
         return self.schedule_counts, self.schedule_next, p0, p1, _schedule_cap(p0), _schedule_cap(p1)
 
     def draw_levels(self, m: int) -> tuple[np.ndarray, np.ndarray]:
-        """The next ``m`` levels of MD's schedule (section 3), and whether each opens a new top level:
+        """The next ``m`` levels of MD's schedule (promotion schedule), and whether each opens a new top level:
         ``(levels int64 [m], new_top bool [m])``. Advances the schedule."""
         levels = np.empty(m, np.int64)
         new_top = np.empty(m, np.bool_)
@@ -290,8 +290,8 @@ class DCITree:
     def query_proj(self, Q: np.ndarray) -> np.ndarray:
         """Query projections ``[g, M]`` float64. MIPS: of ``c q / |q|`` with ``c = sqrt(msq)`` (a zero query
         projects to 0). MD projects ``q / |q|`` (norm 1) against keys of norm c, which leaves the nearest
-        neighbour unchanged but makes the prioritized walk's order unrelated to ``<q, k>`` (DCI_SPEC.md
-        section 6); at norm c the walk is a true L2 walk towards ``[c q / |q|, 0]`` in the lifted space."""
+        neighbour unchanged but makes the prioritized walk's order unrelated to ``<q, k>`` (docs/index.md, MIPS
+        to L2 transform); at norm c the walk is a true L2 walk towards ``[c q / |q|, 0]`` in the lifted space."""
         return kernels.query_projections(np.ascontiguousarray(Q, np.float32), self.dirs, math.sqrt(self.msq), self.mips)
 
     def point_distance(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -330,7 +330,7 @@ class DCITree:
 
     # ------------------------------------------------------------------ invariants
     def check(self) -> None:
-        """Raise AssertionError if a structural invariant is broken (DCI_SPEC.md section 7.4, 7.11; O(n log n))."""
+        """Raise AssertionError if a structural invariant is broken (docs/index.md, Invariants 4 and 11; O(n log n))."""
         n = self.num_points
         num_dirs = self.params.num_directions
         if n == 0:

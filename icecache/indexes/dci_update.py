@@ -1,4 +1,5 @@
-"""Insertion into a DCI index, one point at a time (``DCI_SPEC.md`` section 3), with the page edits it causes.
+"""Insertion into a DCI index, one point at a time (``docs/index.md``, Incremental insert), with the page edits it
+causes.
 
 A new point gets the next level of MD's schedule and a parent by the construction rule; a point promoted to
 level t > 0 adopts every level-(t-1) node strictly closer to it than to its current parent; when the schedule

@@ -3,6 +3,9 @@ q.k (max over the GQA group). Any approximate pager is measured against it."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import cast
+
 import numpy as np
 import torch
 from numba import njit, prange
@@ -211,14 +214,14 @@ class ExactPager(SemanticPager):
         pos, vals = self._top_tokens(queries, budget)
         return self.table.page_of_[pos], np.arange(pos.size + 1, dtype=np.int64), pos, vals
 
-    @staticmethod
-    def select_layer_positions(pagers: list[ExactPager], queries: torch.Tensor,
-                               budget: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None:
-        """``(pages, indptr, positions)`` for every pager of one layer row at once (``queries`` ``[H, g, d]``
-        float32, host): each pager's union-GQA `select_arrays` without scores, all in one compiled call
-        (`layer_top_tokens`); None when the pagers differ in size or are empty (select them one by one)."""
+    @classmethod
+    def _select_layer(cls, pagers: Sequence[SemanticPager], queries: torch.Tensor,
+                      budget: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None:
+        """`SemanticPager.select_layer_positions`: all heads in one compiled call (`layer_top_tokens`); None when
+        the pagers differ in size or are empty (select them one by one)."""
+        pagers = cast(list[ExactPager], list(pagers))
         n = len(pagers[0])
-        if n == 0 or budget <= 0 or any(len(p) != n for p in pagers):
+        if n == 0 or any(len(p) != n for p in pagers):
             return None
         keys = tuple(p._buf.numpy() for p in pagers)
         top = layer_top_tokens(queries.numpy(), keys, n, budget, pagers[0].select_threads)

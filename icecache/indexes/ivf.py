@@ -11,9 +11,9 @@ Layout (one pager per layer and KV head)::
 
 * **MIPS.** Keys are lifted with the shared transform (`icecache.core.transform.transform_keys`, paper form,
   ``c`` = the largest key norm at the last (re)training), queries with `transform_queries`; the L2 nearest
-  transformed key is then the key of largest ``q.k`` (DCI_SPEC.md section 4). A later key longer than ``c``
-  is clamped by the transform (no NaN) and, when it exceeds ``c`` by more than ``norm_tolerance``, triggers a
-  retraining that re-keys everything with the new maximum.
+  transformed key is then the key of largest ``q.k`` (docs/index.md, MIPS to L2 transform). A later key longer
+  than ``c`` is clamped by the transform (no NaN) and, when it exceeds ``c`` by more than ``norm_tolerance``,
+  triggers a retraining that re-keys everything with the new maximum.
 * **Pages.** A list of ``m`` tokens becomes ``ceil(m / P)`` pages of near-equal size by a recursive balanced
   split of its transformed keys (``split="2means"``: a deterministic 2-means, then a cut in the order of the
   2-means score; ``split="pca"``: a cut along the principal direction), so tokens of one page are close.

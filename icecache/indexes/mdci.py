@@ -1,8 +1,8 @@
 """``mdci``: IceCache's reference pager. Semantic pages from a multi-level DCI tree (M-DCI) over the keys of
 one (layer, KV head), ranked by a cumulative MIPS descent per GQA group.
 
-Based on IceCache (arXiv 2604.10539) and its index back end M-DCI; the algorithm is specified in
-``DCI_SPEC.md`` and implemented by `icecache.indexes.dci.DCIIndex` (MIPS mode, with the pager's
+Based on IceCache (arXiv 2604.10539) and its index back end M-DCI; the algorithm is described in
+``docs/index.md`` and implemented by `icecache.indexes.dci.DCIIndex` (MIPS mode, with the pager's
 `PageTable`). Pages: every cluster (the children of one tree node; the top level's tokens are the children
 of a virtual root) is stored in pages of at most ``page_size`` tokens, contiguous in projection order.
 Selection: one descent for the whole GQA group, token score ``max_g q_g . k``; a page's score is the best
@@ -11,7 +11,8 @@ score among its scored tokens; pages are taken best first under the budget rule.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -30,8 +31,8 @@ SEARCH_MODES = ("tree", "exhaustive")
 
 @register_pager("mdci")
 class MDCIPager(SemanticPager):
-    """M-DCI semantic pager (IceCache). Defaults: the ``"wide"`` preset, IceCache's parameters (DCI_SPEC.md
-    section 5, "IceCache -> MD") with an exhaustive, 5x wider query; ``preset="icecache"`` gives the
+    """M-DCI semantic pager (IceCache). Defaults: the ``"wide"`` preset, IceCache's parameters (docs/index.md,
+    Parameters and presets) with an exhaustive, 5x wider query; ``preset="icecache"`` gives the
     published ones exactly.
 
     Parameters
@@ -184,16 +185,14 @@ class MDCIPager(SemanticPager):
                                          budget, self.select_threads)
         return self.index.rank_pages(queries.numpy(), budget)
 
-    @staticmethod
-    def select_layer_positions(pagers: list[MDCIPager], queries: torch.Tensor,
-                               budget: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None:
-        """``(pages, indptr, positions)`` for every pager of one layer row at once (``queries`` ``[H, g, d]``
-        float32, host): each pager's union-GQA `select_arrays` without scores, the page ranking of all heads in
-        one compiled call (`icecache.indexes.dci_layer.rank_pages_layer`, on ``select_threads`` threads). None
-        when one call cannot serve them (an empty pager, differing parameters): select them one by one."""
+    @classmethod
+    def _select_layer(cls, pagers: Sequence[SemanticPager], queries: torch.Tensor,
+                      budget: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None:
+        """`SemanticPager.select_layer_positions`: the page ranking of all heads in one compiled call
+        (`icecache.indexes.dci_layer.rank_pages_layer`, on ``select_threads`` threads). None when one call cannot
+        serve them (an empty pager, differing parameters): select them one by one."""
+        pagers = cast(list[MDCIPager], list(pagers))
         trees = [p.index.tree for p in pagers]
-        if budget <= 0 or not all(p.layer_select for p in pagers):
-            return None
         if all(p.search == "exhaustive" for p in pagers):
             if any(t.num_points == 0 for t in trees):
                 return None

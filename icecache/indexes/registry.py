@@ -11,6 +11,7 @@ import importlib
 import inspect
 import pkgutil
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any, TypeVar
 
 from icecache.core.errors import ConfigError, UnknownNameError
@@ -41,11 +42,10 @@ def _discover() -> None:
     global _discovered
     if _discovered:
         return
-    import icecache.indexes as pkg
-
-    for info in pkgutil.iter_modules(pkg.__path__):
+    package = __name__.rpartition(".")[0]  # the backends' package, icecache.indexes: this module's folder
+    for info in pkgutil.iter_modules([str(Path(__file__).parent)]):
         if info.name != "registry" and not info.name.startswith("_"):
-            importlib.import_module(f"{pkg.__name__}.{info.name}")
+            importlib.import_module(f"{package}.{info.name}")
     _discovered = True
 
 

@@ -253,6 +253,7 @@ def measure_runtime_layer(
     import types
 
     import torch
+    from transformers import DynamicCache
 
     from icecache.core.config import IceCacheConfig
     from icecache.runtime.attention import icecache_attention
@@ -269,8 +270,10 @@ def measure_runtime_layer(
                                  trace=traced)
             with torch.inference_mode(), IceCache(_layer_config(H, group, head_dim), ice) as cache:
                 layer = cache.layers[0]
-                layer.update(torch.randn(1, H, n, head_dim, generator=g, dtype=dtype), torch.randn(1, H, n, head_dim, generator=g, dtype=dtype))
-                layer.finish_prefill(None)
+                dense = DynamicCache()
+                dense.update(torch.randn(1, H, n, head_dim, generator=g, dtype=dtype),
+                             torch.randn(1, H, n, head_dim, generator=g, dtype=dtype), 0)
+                cache.load_prefill(dense)  # the prefill's placement and index builds, as the runtime does them
                 cache.workers.wait_all()
                 m = len(layer.pagers[0][0])
                 if not traced:  # ---- bulk loader at controlled new tokens per head

@@ -125,7 +125,8 @@ def measure_decode_index(
     if steps < 1 or rounds < 1:
         raise ConfigError(f"decode index timing needs steps >= 1 and rounds >= 1, got {steps} and {rounds}")
     kw = {} if dense_layers is None else {"dense_layers": tuple(dense_layers)}
-    cfg = IceCacheConfig(index=pager, budget=budget, page_size=page_size, seed=seed, **kw)
+    # inserts on the decode thread, timed in the step
+    cfg = IceCacheConfig(index=pager, budget=budget, page_size=page_size, seed=seed, inserts="inline", **kw)
     rows: dict[int, dict[str, Any]] = {}
     for n in [n for _ in range(rounds) for n in sorted(sizes)]:
         tokens = n + cfg.sink + cfg.window
@@ -150,7 +151,6 @@ def measure_decode_index(
         ins_s: list[float] = []
         step_s: list[float] = []
         with torch.inference_mode(), use_attention(model), IceCache(model.config, cfg) as cache:
-            cache.prefetch_inserts = False  # the insert on the decode thread, timed in the step
             logits = model(input_ids[:, :tokens], past_key_values=cache, use_cache=True, logits_to_keep=1).logits
             cache.workers.wait_all()
             jobs = 0
@@ -189,27 +189,28 @@ def measure_decode_index(
 
 @contextmanager
 def layer_selects_timed(kinds: set[type], acc: dict[str, Any]) -> Iterator[None]:
-    """While open, every one-call layer selection (a pager class's ``select_layer_positions``, which serves all KV
-    heads of a layer row without calling their ``select_arrays``) adds its seconds to ``acc["select"]`` and one
-    select per pager it served to ``acc["selects"]``; the classes are restored on exit."""
-    saved = {kind: kind.__dict__["select_layer_positions"] for kind in kinds if "select_layer_positions" in kind.__dict__}
+    """While open, every one-call layer selection (a pager class's ``_select_layer`` behind
+    `SemanticPager.select_layer_positions`, which serves all KV heads of a layer row without calling their
+    ``select_arrays``) adds its seconds to ``acc["select"]`` and one select per pager it served to
+    ``acc["selects"]``; the classes are restored on exit."""
+    saved = {kind: kind.__dict__["_select_layer"] for kind in kinds if "_select_layer" in kind.__dict__}
     for kind, attr in saved.items():
-        fused = attr.__func__ if isinstance(attr, staticmethod) else attr
+        fused = attr.__func__ if isinstance(attr, (staticmethod, classmethod)) else attr
 
-        def run(pagers: list[Any], queries: Any, budget: int, fused: Callable[..., Any] = fused) -> Any:
+        def run(cls: type, pagers: list[Any], queries: Any, budget: int, fused: Callable[..., Any] = fused) -> Any:
             t0 = time.perf_counter()
-            out = fused(pagers, queries, budget)
+            out = fused(cls, pagers, queries, budget)
             acc["select"] += time.perf_counter() - t0
             if out is not None:
                 acc["selects"] += len(pagers)
             return out
 
-        kind.select_layer_positions = staticmethod(run)
+        kind._select_layer = classmethod(run)
     try:
         yield
     finally:
         for kind, attr in saved.items():
-            kind.select_layer_positions = attr
+            kind._select_layer = attr
 
 
 def measure_pool(

@@ -22,22 +22,18 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindo
 
 from icecache.core.config import IceCacheConfig
 from icecache.core.errors import CacheMisuseError, ConfigError, InputError, InputTypeError
-from icecache.indexes.auto import AUTO, check_index, choice_pager, choose_index
-from icecache.indexes.registry import make_pager
+from icecache.indexes.auto import AUTO
 from icecache.runtime import link
 from icecache.runtime.dense_layer import GrowingLayer
 from icecache.runtime.layer import IceCacheLayer
+from icecache.runtime.layer_context import FAULT_POINTS, FaultHooks, LayerContext, PagerFactory
 from icecache.runtime.malloc import pin_mmap_threshold, trim_heap
+from icecache.runtime.pager_choice import PagerChoice, check_pager_config, resolve_pager
 from icecache.runtime.selection import DecodeAccounting
 from icecache.runtime.timing import StageTimer
 from icecache.runtime.workers import IndexWorkers, background_inserts
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma3")
-
-#: Fault-injection points for reliability tests (`IceCache.inject_fault`): "build" (layer, row, head) runs in
-#: an index-build worker; "load" (layer, length) before the bulk loader; "decode" (layer, length) at the start
-#: of a decode step.
-FAULT_POINTS = ("build", "load", "decode")
 
 __all__ = ["FAULT_POINTS", "SUPPORTED_MODEL_TYPES", "IceCache", "IceCacheLayer"]
 
@@ -71,7 +67,7 @@ class IceCache(Cache):
     ``"trim"`` (default) trims them every 256 decode steps, ``"pin"`` fixes the mmap threshold process-wide.
     """
 
-    def __init__(self, model_config: Any, config: IceCacheConfig | None = None, *, pager_factory: Any = None,
+    def __init__(self, model_config: Any, config: IceCacheConfig | None = None, *, pager_factory: PagerFactory | None = None,
                  max_cache_len: int | None = None) -> None:
         self.ice = config if config is not None else IceCacheConfig()
         if not isinstance(self.ice, IceCacheConfig):
@@ -92,26 +88,23 @@ class IceCache(Cache):
         types = list(getattr(text_cfg, "layer_types", None) or ["full_attention"] * n_layers)
         self.group = text_cfg.num_attention_heads // H  # query heads per KV head
         self.kv_head_dim = D
-        #: the pager the sparse layers use: ``config.index``, or what ``"auto"`` chose at the first prefill
-        self.index: str | None = None if self.ice.index == AUTO else self.ice.index
-        #: ``index="auto"``: keys per head from which M-DCI is chosen (None until chosen / without auto)
-        self.auto_crossover: int | None = None
         if pager_factory is None:  # an unknown pager or pager parameter fails here, before any prefill
-            check_index(self.ice.index, self.ice.index_params, head_dim=D, page_size=self.ice.page_size, seed=self.ice.seed)
-            if self.ice.index == AUTO:
-                self.auto_crossover = self.ice.index_params.get("crossover")
+            check_pager_config(self.ice, D)
         elif self.ice.index == AUTO:
             raise ConfigError("index='auto' chooses the pagers itself: it takes no pager_factory")
-        self.pager_factory = pager_factory or self._default_pager
-        #: insert the token that will leave the window next step on a worker during this step (same result as
-        #: inline); None until the first update resolves ``config.inserts`` for the KV's device
-        self.prefetch_inserts: bool | None = None
+        self._pager_factory = pager_factory
+        #: the pager the sparse layers use (``stats()["index"]``): ``config.index``, or what ``"auto"`` chooses
+        #: at the first update (None until then)
+        self.pager_choice: PagerChoice | None = None if self.ice.index == AUTO else resolve_pager(
+            self.ice, head_dim=D, group=self.group, context_tokens=0, select_threads=1)
+        self._context: LayerContext | None = None
         self.select_threads: int | None = None  # set at the first decode step (`_set_select_threads`)
         if self.ice.heap_policy == "pin":
             pin_mmap_threshold()
         self.workers = IndexWorkers(self.ice.num_threads)
         self.timer = StageTimer()
         self.accounting = DecodeAccounting(trace=self.ice.trace)
+        self.faults = FaultHooks()
         layers: list[CacheLayerMixin] = []
         self.kind: list[str] = []
         for i, kind in enumerate(types):
@@ -122,18 +115,28 @@ class IceCache(Cache):
                 layers.append(GrowingLayer())
                 self.kind.append("dense")
             else:
-                layers.append(IceCacheLayer(self, i, H, D))
+                layers.append(IceCacheLayer(self.ice, i, H, D))
                 self.kind.append("sparse")
         super().__init__(layers=layers)
         sparse = [i for i, k in enumerate(self.kind) if k == "sparse"]
         r = self.ice.reuse_every
         self.reuse_leader = {i: sparse[(j // r) * r] for j, i in enumerate(sparse)}
         self._shared: dict[int, dict[str, Any]] = {}
-        self._fault_hooks: dict[str, Callable[..., Any]] = {}
         self._t_first_update: float | None = None
         self._t_prefill_done: float | None = None
         self.closed = False
         self._finalizer = weakref.finalize(self, IndexWorkers.close, self.workers)
+
+    @property
+    def prefetch_inserts(self) -> bool | None:
+        """Whether decode steps insert the token that will leave the window next on a worker during this step
+        (same result as inline): ``config.inserts`` resolved for the KV's device at the first update (None before).
+        Setting it switches the mode for the following steps (a measurement hook: `icecache.measure` times both)."""
+        return self.workers.prefetch_inserts
+
+    @prefetch_inserts.setter
+    def prefetch_inserts(self, value: bool) -> None:
+        self.workers.prefetch_inserts = bool(value)
 
     @property
     def counters(self) -> dict[str, int]:
@@ -145,25 +148,22 @@ class IceCache(Cache):
         """With ``IceCacheConfig(trace=True)``: one record per (decode step, layer, row, KV head)."""
         return self.accounting.trace
 
-    def choose_index(self, context_tokens: int) -> str:
-        """The pager of every sparse layer, fixed at the first prefill: ``config.index``, or with ``"auto"``
-        ``"mdci[search=exhaustive]"`` (M-DCI's pages, every key scored) when a head will hold fewer offloaded keys
-        than this machine's crossover (`icecache.runtime.auto_index`), else ``"mdci"`` (its tree search).
-        ``context_tokens``: the prompt, or ``max_cache_len``."""
-        if self.index is None:
-            cfg = self.ice
-            if self.auto_crossover is None:
-                from icecache.runtime.auto_index import machine_crossover
-
-                self.auto_crossover = machine_crossover(self.kv_head_dim, self.group, cfg.budget, cfg.page_size,
-                                                        select_threads=self._select_threads())
-            self.index = choose_index(max(0, context_tokens - cfg.sink - cfg.window), self.auto_crossover)
-        return self.index
-
-    def _default_pager(self, layer_idx: int, row: int, kv_head: int, head_dim: int) -> Any:
-        cfg = self.ice
-        name, params = choice_pager(self.index) if cfg.index == AUTO else (self.index, cfg.index_params)
-        return make_pager(name, head_dim=head_dim, page_size=cfg.page_size, seed=cfg.seed, record_moves=True, **params)
+    def _start(self, tokens: int, device: torch.device) -> None:
+        """Fix what the first update decides, once: where decode inserts run (the KV's device), the pager
+        (``index="auto"`` chooses from ``tokens``, the prompt, or ``max_cache_len`` when larger), and each sparse
+        layer's `LayerContext`."""
+        if self.prefetch_inserts is None:
+            self.prefetch_inserts = background_inserts(self.ice.inserts, device)
+        max_length = max(tokens, self.length_hint or 0)
+        if self.pager_choice is None:
+            self.pager_choice = resolve_pager(self.ice, head_dim=self.kv_head_dim, group=self.group,
+                                              context_tokens=max_length, select_threads=self._select_threads())
+        self._context = LayerContext(
+            config=self.ice, make_pager=self._pager_factory or self.pager_choice.make, workers=self.workers,
+            timer=self.timer, accounting=self.accounting, faults=self.faults, max_length=max_length)
+        for layer, kind in zip(self.layers, self.kind):
+            if kind == "sparse":
+                layer.start(self._context)
 
     @classmethod
     def from_dense(cls, dense: Any, config: IceCacheConfig | None = None, *, model_config: Any,
@@ -195,9 +195,10 @@ class IceCache(Cache):
         method's cache; the result is identical to prefilling through this cache. ``attention_mask`` ``[B, T]``
         marks real tokens (left padding). Returns ``self``; decode with ``model(next_token, past_key_values=self)``.
         """
-        if any(layer.is_initialized for layer in self.layers):
+        if any(layer.is_initialized for layer in self.layers) or self._context is not None:
             raise CacheMisuseError("load_prefill needs a fresh IceCache")
         sources = self._dense_layers_of(past_key_values)
+        self._start(max(src.keys.shape[-2] for src in sources), sources[0].keys.device)
         for i, (layer, kind) in enumerate(zip(self.layers, self.kind)):
             src = sources[i]
             k, v = src.keys, src.values
@@ -256,18 +257,7 @@ class IceCache(Cache):
     # ------------------------------------------------------------------ reliability tests
     def inject_fault(self, point: str, hook: Callable[..., Any] | None) -> None:
         """Run ``hook`` (which may raise) at fault point ``point`` (see `FAULT_POINTS`); None removes it."""
-        if point not in FAULT_POINTS:
-            raise ConfigError(f"unknown fault point {point!r}; known: {', '.join(FAULT_POINTS)}")
-        if hook is None:
-            self._fault_hooks.pop(point, None)
-        else:
-            self._fault_hooks[point] = hook
-
-    def fault_point(self, point: str, *args: Any) -> None:
-        """Called by the layers at each fault point: runs the injected hook, if any."""
-        hook = self._fault_hooks.get(point)
-        if hook is not None:
-            hook(*args)
+        self.faults.set(point, hook)
 
     # ------------------------------------------------------------------ Cache API
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -298,8 +288,8 @@ class IceCache(Cache):
         link.publish(self, layer_idx)
         if self._t_first_update is None:
             self._t_first_update = time.perf_counter()
-        if self.prefetch_inserts is None:
-            self.prefetch_inserts = background_inserts(self.ice.inserts, key_states.device)
+        if self._context is None:
+            self._start(key_states.shape[-2], key_states.device)
         if layer_idx == 0 and q == 1:
             self._on_decode_step()
         return layer.update(key_states, value_states, cache_kwargs)
@@ -390,12 +380,12 @@ class IceCache(Cache):
             "index_build_seconds": self.workers.job_seconds,
             "index_wait_seconds": self.workers.wait_seconds,
             "layers": {k: self.kind.count(k) for k in ("sparse", "dense", "sliding")},
-            "index": self.index,
+            "index": self.pager_choice.spec if self.pager_choice is not None else None,
             "inserts": {None: "not started", True: "background", False: "inline"}[self.prefetch_inserts],
             "select_threads": self.select_threads,
         }
         if self.ice.index == AUTO:
-            out["auto_crossover_keys"] = self.auto_crossover
+            out["auto_crossover_keys"] = self.pager_choice.crossover if self.pager_choice else self.ice.index_params.get("crossover")
         if self._t_first_update is not None and self._t_prefill_done is not None:
             out["prefill_seconds"] = self._t_prefill_done - self._t_first_update
         return out

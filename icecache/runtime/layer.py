@@ -5,23 +5,24 @@ middle's host pages and pagers on the cache's index workers while the next layer
 (``q_len == 1``): `update` appends the new token to the window ring, `attend` selects pages
 (`selection.select_layer`), brings them into the budget slots (`BulkLoader`), prefetches the next host insert
 and attends over sink + budget slots + window.
+
+The layer uses what its cache hands it at the first update (`LayerContext`: config, pager factory, workers,
+timer, accounting, fault hooks) and holds no reference back to the cache.
 """
 
 from __future__ import annotations
 
-import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from icecache.core.config import IceCacheConfig
 from icecache.core.errors import CacheMisuseError
 from icecache.runtime.cpu_attention import sparse_attention_cpu
+from icecache.runtime.layer_context import LayerContext
 from icecache.runtime.placement import TokenPlacement
 from icecache.runtime.selection import LayerSelection, select_layer
-
-if TYPE_CHECKING:
-    from icecache.runtime.cache import IceCache
 
 
 class IceCacheLayer(TokenPlacement, CacheLayerMixin):
@@ -30,19 +31,25 @@ class IceCacheLayer(TokenPlacement, CacheLayerMixin):
     is_sliding = False
     is_compileable = False
 
-    def __init__(self, cache: IceCache, layer_idx: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(self, config: IceCacheConfig, layer_idx: int, num_kv_heads: int, head_dim: int) -> None:
         CacheLayerMixin.__init__(self)
-        cfg = cache.ice
-        TokenPlacement.__init__(self, layer_idx, num_kv_heads, head_dim, sink=cfg.sink, window=cfg.window, budget=cfg.budget,
-                                insert_every=cfg.insert_every)
-        self._cache_ref = weakref.ref(cache)
+        TokenPlacement.__init__(self, layer_idx, num_kv_heads, head_dim, sink=config.sink, window=config.window,
+                                budget=config.budget, insert_every=config.insert_every)
+        self._context: LayerContext | None = None
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
 
+    def start(self, context: LayerContext) -> None:
+        """Receive the cache's resolved context (once, before the layer's first update)."""
+        if self._context is not None:
+            raise CacheMisuseError(f"layer {self.layer_idx} was started twice")
+        self._context = context
+
     @property
-    def cache(self) -> IceCache:
-        c = self._cache_ref()
-        assert c is not None, "IceCacheLayer outlived its IceCache"
-        return c
+    def context(self) -> LayerContext:
+        if self._context is None:
+            raise CacheMisuseError(f"layer {self.layer_idx} was used before its IceCache started it (an IceCacheLayer "
+                                   "belongs to an IceCache: update it through the cache)")
+        return self._context
 
     # ------------------------------------------------------------------ transformers layer API
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -52,11 +59,10 @@ class IceCacheLayer(TokenPlacement, CacheLayerMixin):
                 f"layer {self.layer_idx}: keys have {H} heads x {D} dims, the model config says "
                 f"{self.num_kv_heads} x {self.head_dim}"
             )
-        cache = self.cache
+        ctx = self.context
         self.dtype, self.device = key_states.dtype, key_states.device
-        cache.choose_index(max(T, cache.length_hint or 0))
-        pagers = [[cache.pager_factory(self.layer_idx, b, h, D) for h in range(H)] for b in range(B)]
-        self.allocate(B, self.dtype, self.device, pagers, max_length=max(T, cache.length_hint or 0))
+        pagers = [[ctx.make_pager(self.layer_idx, b, h, D) for h in range(H)] for b in range(B)]
+        self.allocate(B, self.dtype, self.device, pagers, max_length=max(T, ctx.max_length))
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, cache_kwargs: dict[str, Any] | None = None):
@@ -112,23 +118,23 @@ class IceCacheLayer(TokenPlacement, CacheLayerMixin):
         assert self._pending is not None, "finish_prefill without a pending prefill"
         k, v = self._pending
         self._pending = None
-        workers = self.cache.workers
+        workers = self.context.workers
         for b, (k_mid, v_mid) in enumerate(self.place_prefill(k, v, valid)):
             for h in range(self.num_kv_heads):
                 workers.submit(self.layer_idx, f"offload+build row {b} head {h}", self._build_host_job, b, h, k_mid[h], v_mid[h])
 
     def _build_host_job(self, b: int, h: int, k_mid: torch.Tensor, v_mid: torch.Tensor) -> None:
-        self.cache.fault_point("build", self.layer_idx, b, h)
+        self.context.faults("build", self.layer_idx, b, h)
         self.build_host(b, h, k_mid, v_mid)
 
     # ------------------------------------------------------------------ decode
     def _decode_append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append the new token; the host insert of the token it displaces was normally prefetched on a worker
         during the previous step (see `attend`) and `workers.wait` makes sure it finished."""
-        cache = self.cache
-        cache.fault_point("decode", self.layer_idx, self.length)
-        cache.workers.wait(self.layer_idx)
-        with cache.timer.stage("insert"):
+        ctx = self.context
+        ctx.faults("decode", self.layer_idx, self.length)
+        ctx.workers.wait(self.layer_idx)
+        with ctx.timer.stage("insert"):
             self.append_token(k, v)
 
     def _prefetch_insert(self) -> None:
@@ -138,7 +144,7 @@ class IceCacheLayer(TokenPlacement, CacheLayerMixin):
         if nxt is None:
             return
         kc, vc = self.take_leaving(nxt, self.insert_every)
-        self.cache.workers.submit(self.layer_idx, f"insert position {nxt}", self.insert_host, nxt, kc, vc, kind="insert")
+        self.context.workers.submit(self.layer_idx, f"insert position {nxt}", self.insert_host, nxt, kc, vc, kind="insert")
 
     def attend(self, query: torch.Tensor, scaling: float, shared: dict[str, Any] | None) -> torch.Tensor:
         """Sparse decode attention. ``query`` ``[B, Hq, 1, D]`` -> output ``[B, 1, Hq, D]``.
@@ -146,31 +152,31 @@ class IceCacheLayer(TokenPlacement, CacheLayerMixin):
         ``shared`` carries a selection between layers for IceCache(r): None = select here; a dict with
         ``"positions"`` = reuse them; an empty dict = select here and store them for the next layers.
         """
-        cache = self.cache
-        cfg = cache.ice
+        ctx = self.context
+        cfg = ctx.config
         B, Hq, _, D = query.shape
         H = self.num_kv_heads
         n_rep = Hq // H
         qg = query.reshape(B, H, n_rep, D)
-        with cache.timer.stage("select"):
+        with ctx.timer.stage("select"):
             if shared is not None and "positions" in shared:
                 selection = LayerSelection(shared["positions"], [[None] * H for _ in range(B)], [[None] * H for _ in range(B)])
             else:
                 selection = select_layer(self.pagers, qg, self.budget, cfg.gqa, layer_idx=self.layer_idx,
-                                         keep_pages=cache.accounting.tracing, top_p=cfg.top_p, scale=scaling)
+                                         keep_pages=ctx.accounting.tracing, top_p=cfg.top_p, scale=scaling)
                 if shared is not None:
                     shared["positions"] = selection.positions
-        cache.fault_point("load", self.layer_idx, self.length)
-        report = self.loader.load(self.stores, selection.positions, selection.indptrs, cache.timer)
-        cache.accounting.record_load(self.layer_idx, report, selection, 2 * self.head_dim * self.keys.element_size())
-        with cache.timer.stage("attend"):
+        ctx.faults("load", self.layer_idx, self.length)
+        report = self.loader.load(self.stores, selection.positions, selection.indptrs, ctx.timer)
+        ctx.accounting.record_load(self.layer_idx, report, selection, 2 * self.head_dim * self.keys.element_size())
+        with ctx.timer.stage("attend"):
             if self.keys.device.type == "cpu":  # single-threaded kernel: no fork/join beside the insert worker
                 out = sparse_attention_cpu(qg, self.keys, self.values, self.valid, scaling)
             else:
                 out = torch.nn.functional.scaled_dot_product_attention(
                     qg, self.keys, self.values, attn_mask=self.valid[:, :, None, :], scale=scaling
                 )  # [B, H, n_rep, D]
-        if cache.prefetch_inserts:
+        if ctx.workers.prefetch_inserts:
             # After the attention: the worker's Python then overlaps the layer's projections and MLP (torch ops
             # that release the GIL) instead of contending with this step's own Python work.
             self._prefetch_insert()
@@ -182,7 +188,7 @@ class IceCacheLayer(TokenPlacement, CacheLayerMixin):
         read during one raced with it: a fresh-clone `make test` once saw 6 of 8 heads' prefetched token)."""
         if not self.is_initialized:
             return 0
-        self.cache.workers.wait(self.layer_idx)
+        self.context.workers.wait(self.layer_idx)
         return sum(s.used_bytes() for row in self.stores for s in row)
 
     def release(self) -> None:

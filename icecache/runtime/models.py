@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from icecache.core.config import cache_root
 from icecache.core.errors import ModelLoadError, UnknownNameError
 
 _CACHE_FORMAT = 2  # 2: SentencePiece GGUF vocabularies get a rebuilt BPE tokenizer
@@ -105,11 +106,6 @@ def model_settings(name: str | None) -> dict[str, Any]:
     ``index_params`` here are M-DCI's (they apply only where the index is ``mdci``)."""
     spec = MODELS.get(model_key(name))
     return {} if spec is None else {k: (dict(v) if isinstance(v, dict) else v) for k, v in spec.icecache_settings.items()}
-
-
-def cache_root() -> Path:
-    """Directory of icecache's caches: ``$ICECACHE_CACHE`` or ``~/.cache/icecache``."""
-    return Path(os.environ.get("ICECACHE_CACHE") or Path.home() / ".cache" / "icecache")
 
 
 def _package_files(spec: ModelSpec, package: str, needle: str) -> list[Path]:

@@ -94,13 +94,11 @@ def select_layer(pagers: list[list[Any]], queries: torch.Tensor, budget: int, gq
 def select_row_at_once(pagers: list[Any], queries: torch.Tensor, budget: int, gqa: str,
                        keep_pages: bool) -> LayerSelection | None:
     """One row's selection for every KV head in one call, where the pagers' class offers it
-    (``select_layer_positions``: ``exact``, ``mdci``) and the GQA rule is ``"union"``; None otherwise (select head by
-    head). ``queries`` ``[H, n_rep, D]`` float32, host."""
-    kind = type(pagers[0])
-    fused = getattr(kind, "select_layer_positions", None)
-    if fused is None or gqa != "union" or any(type(p) is not kind for p in pagers):
+    (`SemanticPager.select_layer_positions`: ``exact``, ``mdci``) and the GQA rule is ``"union"``; None otherwise
+    (select head by head). ``queries`` ``[H, n_rep, D]`` float32, host."""
+    if gqa != "union":
         return None
-    heads = fused(pagers, queries, budget)
+    heads = type(pagers[0]).select_layer_positions(pagers, queries, budget)
     if heads is None:
         return None
     return LayerSelection([[positions for _, _, positions in heads]], [[indptr for _, indptr, _ in heads]],

@@ -90,6 +90,9 @@ class IndexWorkers:
         self.job_seconds = 0.0  # summed wall time of finished jobs
         self.wait_seconds = 0.0  # time callers spent blocked in `wait`
         self.closed = False
+        #: decode steps insert the token that will leave the window next on a worker during this step (same
+        #: result as inline); None until the cache resolves ``IceCacheConfig.inserts`` for the KV's device
+        self.prefetch_inserts: bool | None = None
 
     def _executor_for(self, kind: str) -> ThreadPoolExecutor:
         if kind not in JOB_KINDS:

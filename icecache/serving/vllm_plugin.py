@@ -62,6 +62,6 @@ def icecache_config(additional_config: Any) -> IceCacheConfig | None:
 
 def check_index(cfg: IceCacheConfig, head_dim: int) -> None:
     """Raise `ConfigError` unless ``cfg.index`` / ``cfg.index_params`` make a pager for ``head_dim``."""
-    from icecache.indexes.auto import check_index as _check
+    from icecache.runtime.pager_choice import check_pager_config
 
-    _check(cfg.index, cfg.index_params, head_dim=head_dim, page_size=cfg.page_size, seed=cfg.seed)
+    check_pager_config(cfg, head_dim)

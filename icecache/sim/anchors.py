@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-PAPER = "IceCache paper (ICLR 2026, arXiv 2604.10539), latency section; as summarised in ICECACHE.md s.1 and SIM_ANCHORS.md s.5"
+PAPER = "IceCache paper (ICLR 2026, arXiv 2604.10539), latency section; as summarised in docs/simulator_anchors.md, Paper anchors"
 
 
 @dataclass(frozen=True)
@@ -82,15 +82,15 @@ PAPER_A100_36K = BreakdownAnchor(
 )
 
 #: H100, Qwen3-4B: per-token decode latency vs context (n in tokens), lines through the paper's two points
-#: (SIM_ANCHORS.md s.5: full 30 + 1.07 n, IceCache 183 + 0.30 n, reuse 123 + 0.10 n; ms with n in k-tokens).
+#: (docs/simulator_anchors.md, Paper anchors: full 30 + 1.07 n, IceCache 183 + 0.30 n, reuse 123 + 0.10 n; ms with n in k-tokens).
 PAPER_H100_QWEN3_FULL = LineAnchor(
-    "paper-h100-qwen3-full", "h100-sxm", "qwen3-4b", "full", 0.030, 1.07e-6, PAPER + "; SIM_ANCHORS.md s.5 line fit"
+    "paper-h100-qwen3-full", "h100-sxm", "qwen3-4b", "full", 0.030, 1.07e-6, PAPER + "; line fit"
 )
 PAPER_H100_QWEN3_ICECACHE = LineAnchor(
-    "paper-h100-qwen3-icecache", "h100-sxm", "qwen3-4b", "icecache", 0.183, 0.30e-6, PAPER + "; SIM_ANCHORS.md s.5 line fit"
+    "paper-h100-qwen3-icecache", "h100-sxm", "qwen3-4b", "icecache", 0.183, 0.30e-6, PAPER + "; line fit"
 )
 PAPER_H100_QWEN3_REUSE = LineAnchor(
-    "paper-h100-qwen3-reuse", "h100-sxm", "qwen3-4b", "icecache-r", 0.123, 0.10e-6, PAPER + "; SIM_ANCHORS.md s.5 line fit"
+    "paper-h100-qwen3-reuse", "h100-sxm", "qwen3-4b", "icecache-r", 0.123, 0.10e-6, PAPER + "; line fit"
 )
 
 

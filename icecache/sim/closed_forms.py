@@ -1,4 +1,4 @@
-"""Closed forms of the simulator (pure functions; SIM_ANCHORS.md sections 0.3 and 2).
+"""Closed forms of the simulator (pure functions; docs/simulator_anchors.md, Closed forms).
 
 A transfer costs ``calls * alpha + bytes / bandwidth``; identical jobs on a pool of T threads finish after
 ``ceil(J / T) * t``; unequal jobs by the longest-first rule; a flow line of identical items after

@@ -1,22 +1,28 @@
 """What to simulate: `SimConfig` (one configuration), the variants and implementations, and layer roles.
 
-`SimConfig` uses `icecache.core.config.IceCacheConfig`'s names, meanings and defaults where both describe the
-same thing: ``budget``, ``page_size``, ``sink``, ``window``, ``dense_layers`` (layer indices, default ``(0, 1)``),
-``reuse_every`` (default 1), ``inserts`` (default ``"auto"``) and ``trace``.
+`SimConfig` takes `icecache.core.config.IceCacheConfig`'s names, meanings and defaults (read from its fields,
+`SHARED_FIELDS`) where both describe the same thing: ``budget``, ``page_size``, ``sink``, ``window``,
+``dense_layers``, ``reuse_every``, ``inserts``, ``trace`` and ``index`` (the pager; None here means the
+variant's own, `DEFAULT_PAGER`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, replace
 from typing import Any
 
-from icecache.core.config import INSERT_MODES
+from icecache.core.config import INSERT_MODES, IceCacheConfig
 from icecache.core.errors import ConfigError, UnknownNameError
 from icecache.sim.costs import SCATTER_OPS
 from icecache.sim.hardware import canonical_hardware
 from icecache.sim.shapes import ModelShape, get_shape
 
-__all__ = ["VARIANTS", "IMPLS", "DEFAULT_PAGER", "SimConfig", "check_dense_layers", "layer_roles"]
+__all__ = ["VARIANTS", "IMPLS", "DEFAULT_PAGER", "SHARED_FIELDS", "SimConfig", "check_dense_layers", "layer_roles"]
+
+#: the fields `SimConfig` shares with `IceCacheConfig`, with the same names and defaults
+SHARED_FIELDS: tuple[str, ...] = ("budget", "page_size", "sink", "window", "dense_layers", "reuse_every", "inserts", "trace")
+_ICE_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(IceCacheConfig) if f.name in SHARED_FIELDS}
 
 VARIANTS: tuple[str, ...] = ("full", "icecache", "icecache-r", "quest")
 IMPLS: tuple[str, ...] = ("runtime", "paper")
@@ -38,7 +44,7 @@ class SimConfig:
     context : int
         Prompt tokens.
     budget, page_size, sink, window : int
-        As in ICECACHE.md s.2 (tokens) and `IceCacheConfig`.
+        As `IceCacheConfig`'s (tokens; its defaults).
     threads : int
         CPU threads of the worker pool (index builds, prefetched inserts; index queries with ``impl="paper"``).
     dense_layers : tuple of int
@@ -49,8 +55,9 @@ class SimConfig:
         `IceCacheConfig.reuse_every` (default 1; other variants select at every sparse layer).
     impl : str
         ``"runtime"`` (our runtime) or ``"paper"`` (the paper's implementation); see the module docstring.
-    pager : str or None
-        Pager whose measured costs stand for the index (None: `DEFAULT_PAGER` of the variant).
+    index : str or None
+        Pager whose measured costs stand for the index, as `IceCacheConfig.index` (None: `DEFAULT_PAGER` of the
+        variant).
     new_tokens : int
         Generated tokens; TPOT is taken at the mean decode context ``context + new_tokens / 2``.
     kv_dtype_bytes : int
@@ -77,22 +84,22 @@ class SimConfig:
     hardware: str
     variant: str
     context: int
-    budget: int = 256
-    page_size: int = 16
+    budget: int = _ICE_DEFAULTS["budget"]
+    page_size: int = _ICE_DEFAULTS["page_size"]
     threads: int = 8
-    sink: int = 4
-    window: int = 64
-    dense_layers: tuple[int, ...] = (0, 1)
-    reuse_every: int = 1
+    sink: int = _ICE_DEFAULTS["sink"]
+    window: int = _ICE_DEFAULTS["window"]
+    dense_layers: tuple[int, ...] = _ICE_DEFAULTS["dense_layers"]
+    reuse_every: int = _ICE_DEFAULTS["reuse_every"]
     impl: str = "runtime"
-    pager: str | None = None
+    index: str | None = None
     new_tokens: int = 32
     kv_dtype_bytes: int = 0
     gather_calls: int = 0
     copy_calls: int = 1
     scatter_calls: int = SCATTER_OPS
-    inserts: str = "auto"
-    trace: bool = False
+    inserts: str = _ICE_DEFAULTS["inserts"]
+    trace: bool = _ICE_DEFAULTS["trace"]
 
     def __post_init__(self) -> None:
         if self.variant not in VARIANTS:
@@ -119,7 +126,7 @@ class SimConfig:
 
     @property
     def pager_name(self) -> str | None:
-        return self.pager if self.pager is not None else DEFAULT_PAGER[self.variant]
+        return self.index if self.index is not None else DEFAULT_PAGER[self.variant]
 
     @property
     def decode_context(self) -> int:

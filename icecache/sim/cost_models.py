@@ -332,7 +332,7 @@ class GpuCosts(CostModel):
 
     Device (per decode layer): ``layer_overhead + layer weight bytes / achieved HBM bandwidth`` for the
     non-attention work and ``tokens * KV bytes / (peak HBM bandwidth * attention efficiency)`` for attention
-    (SIM_ANCHORS.md section 5: decode is dispatch- and implementation-bound, so both constants are fitted to
+    (docs/simulator_anchors.md, Decode is not at the roofline: decode is dispatch- and implementation-bound, so both constants are fitted to
     measured full-KV runs, not taken from the roofline). Prefill: FLOPs / (peak * MFU). Link: ``alpha + bytes /
     bandwidth`` per call. Host: the measured profile's index and gather costs times the host's time scale.
 

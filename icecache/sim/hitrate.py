@@ -1,6 +1,6 @@
 """Page hit rate and bytes per step: selection traces, their summaries, and a parametric model fitted to them.
 
-The timing engine does not decide how many pages a step copies; this module does (SIM_ANCHORS.md 0.10).
+The timing engine does not decide how many pages a step copies; this module does (docs/simulator_anchors.md, Hit rate is an input).
 
 *Trace format* (what the runtime records with ``IceCacheConfig(trace=True)``), one JSON object per line,
 one line per (decode step, layer, KV head)::
@@ -14,7 +14,7 @@ one line per (decode step, layer, KV head)::
 *Quantities* (all per (layer, KV head) and step, averaged):
 
 - ``page_hit_rate``: fraction of selected pages already resident from the previous step (not copied). This is
-  the residency hit rate that sets the bytes moved; it is not the top-B recall of ICECACHE.md s.2.
+  the residency hit rate that sets the bytes moved; it is not the top-B hit rate of docs/method.md, Definitions.
 - ``fill``: tokens per selected page / page_size (semantic pages are not always full).
 - ``budget_use``: selected tokens / budget (whole pages stop short of the budget).
 

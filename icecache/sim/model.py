@@ -35,7 +35,7 @@ Scenario:
 Hybrid models: sliding-window layers (`ModelShape.sliding_layers`) attend over ``min(context, window)`` tokens
 through the model's own cache and are never offloaded or indexed; global layers run IceCache (or full KV).
 
-Two granularities (SIM_ANCHORS.md s.7): the *coarse* model raises one event per (layer, stage) and gives a
+Two granularities (docs/simulator_anchors.md, Coarse and fine models): the *coarse* model raises one event per (layer, stage) and gives a
 pool stage of J jobs on T threads the closed-form makespan ``ceil(J/T) * t``, taking ``min(J, T)`` threads
 from a `simpy.Container`; the *fine* model runs every job as its own process on a `simpy.Resource` of T
 threads. They agree whenever the pool's rounds stay aligned (T divides J or J divides T); the fine one is the
@@ -118,7 +118,7 @@ class SimResult:
 
     def to_row(self) -> dict[str, Any]:
         row = {k: v for k, v in asdict(self.config).items()}
-        row["pager"] = self.config.pager_name or ""
+        row["index"] = self.config.pager_name or ""
         row.update(
             tpot_s=self.tpot_s, tpot_mean_s=self.tpot_mean_s, ttft_s=self.ttft_s, tt2t_s=self.tt2t_s, prefill_end_s=self.prefill_end_s,
             **{f"stage_{s}_s": self.stages.get(s, 0.0) for s in STAGES},

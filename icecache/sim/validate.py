@@ -11,7 +11,7 @@ ships, ``icecache/sim/data/measured_runs.jsonl`` (`icecache.sim.profile.default_
 other). Extra keys are kept; ``page_reuse_rate`` (measured fraction of selected pages already resident), when
 present, replaces the hit model's page hit rate for that run (the hit rate is an input, not a prediction).
 
-Protocol (SIM_ANCHORS.md s.6): the runs are split into a calibration set and a held-out set (``--holdout``:
+Protocol (docs/simulator_anchors.md, Validation protocol): the runs are split into a calibration set and a held-out set (``--holdout``:
 the smaller half of the contexts, the smallest thread count, or a seeded third). Predictions come from the
 calibration profile alone ("raw"); then one factor per stage (sum measured / sum predicted) and one for the
 prefill part of TT2T are fitted on the calibration runs ("corrected"). Both are scored on the held-out runs
@@ -104,7 +104,8 @@ class MeasuredRun:
         for key in ("reuse_every", "dense_layers", "sink", "window", "pager", "trace"):
             if key in self.extra:
                 v = self.extra[key]
-                kw[key] = tuple(v) if key == "dense_layers" and isinstance(v, list) else v
+                # the measured runs' files call the pager "pager"; SimConfig calls it "index" (IceCacheConfig's name)
+                kw["index" if key == "pager" else key] = tuple(v) if key == "dense_layers" and isinstance(v, list) else v
         ran = (self.extra.get("stats") or {}).get("inserts")
         if ran in ("background", "inline"):
             kw["inserts"] = ran

@@ -1,7 +1,7 @@
 """RULER's synthetic long-context tasks, generated here from their definitions, and their scores.
 
 RULER (Hsieh et al., 2024, arXiv 2404.06654) builds every sample from a seed, a tokenizer and a target
-length; the facts used are in ``shared/design/RULER.md``. No code comes from NVIDIA's repository.
+length; the facts used are in ``docs/ruler.md``. No code comes from NVIDIA's repository.
 
 >>> from icecache.eval.ruler import TASKS, make_sample, score_sample
 >>> sample = make_sample("niah_single_1", tokenizer, 4096, seed=42, index=0, chat_template=True)  # doctest: +SKIP

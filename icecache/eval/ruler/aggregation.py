@@ -3,7 +3,7 @@
 * **cwe**: a numbered list ``1. word 2. word ...`` of shuffled words; `NUM_COMMON` common words appear
   `COMMON_FREQ` times each, every other word `UNCOMMON_FREQ` times. The answer is the common words; the number
   of uncommon words is searched to fit the length. One solved example is prepended (our choice of size, which
-  RULER.md leaves open: `NUM_COMMON` words x `EXAMPLE_COMMON_FREQ` and `EXAMPLE_NUM_UNCOMMON` words x 1, drawn
+  RULER's definition leaves open: `NUM_COMMON` words x `EXAMPLE_COMMON_FREQ` and `EXAMPLE_NUM_UNCOMMON` words x 1, drawn
   apart from the task's words).
 * **fwe**: a vocabulary of ``max(5, length // 50)`` random 6-letter coded words; the word of rank ``k`` appears
   ``floor(N k^-alpha / zeta(alpha))`` times (alpha = 2), shuffled, and the rank-1 word is replaced by ``...``

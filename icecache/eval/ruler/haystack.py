@@ -1,6 +1,6 @@
 """The raw material of RULER prompts: haystack texts, word lists and random keys and values.
 
-Three haystacks (RULER.md):
+Three haystacks (docs/ruler.md):
 
 * **noise**: `NOISE_UNIT` ("The grass is green. ...") repeated, one unit per line.
 * **essay**: real prose. RULER uses Paul Graham's essays, which do not ship here; we use the prose paragraphs

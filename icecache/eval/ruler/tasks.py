@@ -1,7 +1,7 @@
 """The RULER task registry and `make_sample`, which generates one sample of one task at one length.
 
-Eleven synthetic tasks (RULER.md's table: eight NIAH variants, vt, cwe, fwe; its "12 synthetic" miscounts
-them; the two QA tasks need SQuAD/HotpotQA and are not built). A sample is a pure function of
+Eleven synthetic tasks (docs/ruler.md: eight NIAH variants, vt, cwe, fwe; the two QA tasks need SQuAD/HotpotQA
+and are not built). A sample is a pure function of
 ``(task, tokenizer, length, seed, index, chat_template)``: its RNG comes from ``(seed, task, index)``
 (`sample_rng`), so any one sample regenerates on its own, which resumable runs need.
 """
