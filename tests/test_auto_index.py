@@ -139,3 +139,32 @@ def test_max_cache_len_decides_when_given():
         model(ids, past_key_values=cache, use_cache=True)
     assert cache.stats()["index"] == "mdci"  # 1000 - 20 expected keys, although the prompt has 180
     cache.close()
+
+
+@pytest.mark.parametrize("config", [
+    IceCacheConfig(index="auto", index_params={"crossover": 10_000}, budget=32, page_size=8, sink=4, window=16),
+    IceCacheConfig(index="auto", index_params={"crossover": 0}, budget=32, page_size=8, sink=4, window=16),
+    IceCacheConfig(index="mdci", index_params={"field_of_view": 7, "page_score": "mass"}, budget=32, page_size=8,
+                   sink=4, window=16),
+    IceCacheConfig(index="sequential", budget=32, page_size=8, sink=4, window=16),
+])
+def test_the_reported_index_round_trips(config):
+    """Any name ``stats()["index"]`` reports is a valid ``IceCacheConfig.index`` and `make_pager` name, and
+    feeding it back makes the same pager (class, parameters) the cache ran."""
+    from icecache import make_pager
+
+    model = make_tiny_llama(seed=3)
+    ids = torch.randint(3, 128, (1, 200), generator=torch.Generator().manual_seed(1))
+    cache = IceCache(model.config, config.replace(dense_layers=(0,)))
+    with use_attention(model), torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)
+    cache.workers.wait_all()
+    reported = cache.stats()["index"]
+    ran = cache.layers[1].pagers[0][0]
+    cache.close()
+    again = IceCacheConfig(index=reported, page_size=config.page_size)
+    remade = make_pager(reported, head_dim=16, page_size=config.page_size)
+    assert type(remade) is type(ran) and again.index == ran.name
+    for pager in (remade, make_pager(again.index, head_dim=16, page_size=8, **again.index_params)):
+        assert getattr(pager, "search", None) == getattr(ran, "search", None)
+        assert getattr(pager, "params", None) == getattr(ran, "params", None)

@@ -37,11 +37,9 @@ import torch
 from icecache.core.errors import ConfigError
 
 AUTO = "auto"
-#: what ``auto`` chooses between, as (name in reports, pager, its parameters): below the crossover, at or above it
-CHOICES: tuple[tuple[str, str, dict[str, Any]], ...] = (
-    ("mdci[search=exhaustive]", "mdci", {"search": "exhaustive"}),
-    ("mdci", "mdci", {}),
-)
+#: what ``auto`` chooses between, as pager specs (`icecache.core.spec`; what ``stats()["index"]`` reports): below
+#: the crossover, at or above it
+CHOICES: tuple[str, ...] = ("mdci[search=exhaustive]", "mdci")
 #: short labels of the two choices in `measure_crossover`'s result
 LABELS = ("exhaustive", "tree")
 #: key counts per head at which `measure_crossover` times both selects
@@ -69,7 +67,7 @@ def check_auto_params(params: dict[str, Any]) -> int | None:
 def choose_index(middle_keys: int, crossover: int) -> str:
     """``"mdci[search=exhaustive]"`` when a head will hold fewer than ``crossover`` offloaded keys, else
     ``"mdci"`` (a name of `CHOICES`)."""
-    return CHOICES[0][0] if middle_keys < crossover else CHOICES[1][0]
+    return CHOICES[0] if middle_keys < crossover else CHOICES[1]
 
 
 def crossover_from_times(grid: Sequence[int], scan_s: Sequence[float], index_s: Sequence[float]) -> int:
@@ -138,8 +136,8 @@ def measure_crossover(head_dim: int, group: int, budget: int, page_size: int, *,
             keys = torch.from_numpy(rng.standard_normal((n, head_dim), dtype=np.float32))
             queries = [torch.from_numpy(rng.standard_normal((group, head_dim), dtype=np.float32)) for _ in range(calls)]
             new_keys = torch.from_numpy(rng.standard_normal((calls + 1, 1, head_dim), dtype=np.float32))
-            pagers = {label: make_pager(pager, head_dim=head_dim, page_size=page_size, seed=seed, **params)
-                      for label, (_, pager, params) in zip(LABELS, CHOICES)}
+            pagers = {label: make_pager(spec, head_dim=head_dim, page_size=page_size, seed=seed)
+                      for label, spec in zip(LABELS, CHOICES)}
             for pager in pagers.values():
                 pager.select_threads = select_threads
                 pager.build(keys)

@@ -28,8 +28,8 @@ import torch
 
 from icecache.core.config import IceCacheConfig, cache_root
 from icecache.core.pager import SemanticPager
-from icecache.core.spec import format_spec
-from icecache.indexes.auto import AUTO, CHOICES, check_auto_params, choose_index, measure_crossover
+from icecache.core.spec import format_spec, parse_spec
+from icecache.indexes.auto import AUTO, check_auto_params, choose_index, measure_crossover
 from icecache.indexes.registry import make_pager
 
 FILENAME = "auto_index.json"
@@ -83,9 +83,8 @@ def resolve_pager(config: IceCacheConfig, *, head_dim: int, group: int, context_
     crossover = check_auto_params(config.index_params)
     if crossover is None:
         crossover = machine_crossover(head_dim, group, config.budget, config.page_size, select_threads=select_threads)
-    chosen = choose_index(max(0, context_tokens - config.sink - config.window), crossover)
-    _, pager, params = next(c for c in CHOICES if c[0] == chosen)
-    return PagerChoice(pager, dict(params), config.page_size, config.seed, crossover=crossover)
+    pager, params = parse_spec(choose_index(max(0, context_tokens - config.sink - config.window), crossover))
+    return PagerChoice(pager, params, config.page_size, config.seed, crossover=crossover)
 
 
 def crossover_path() -> Path:
