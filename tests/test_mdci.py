@@ -296,8 +296,7 @@ def test_search_recall_floor_on_many_clusters():
     field of view unchanged, passed every other fast test). 20k keys in 1,024 clusters (d = 32): the positions the
     tree search selects, against those of the same pages ranked exhaustively (``search=exhaustive``), through the
     single-pager path and the runtime's one-call layer path. Measured 2026-12-07: 0.955 at budget 64 and 0.833 at
-    256 (both paths); with the beam halved in either path 0.741 at 64 (the 8k keys in 64 clusters of
-    `test_quality_on_clustered_keys` still reach 0.985 with it)."""
+    256 (both paths); with the beam halved in either path 0.741 at 64."""
     d, n = 32, 20000
     data, trees, scans = [], [], []
     for seed in (0, 1):

@@ -38,6 +38,17 @@ def model():
     return make_tiny_llama(seed=5, max_position_embeddings=8192)
 
 
+@pytest.fixture
+def prefills(monkeypatch) -> list[int]:
+    """The prompt length of every `run_prefill` the runner makes (it imports the harness's at each sample)."""
+    import icecache.eval.harness as harness
+
+    seen: list[int] = []
+    real = harness.run_prefill
+    monkeypatch.setattr(harness, "run_prefill", lambda model, ids, **kw: seen.append(int(ids.shape[1])) or real(model, ids, **kw))
+    return seen
+
+
 def _spec(**kw) -> RulerSpec:
     base = dict(model="tiny", tasks=["niah_single_1", "vt"], lengths=[3000], samples=1, methods=["full", "icecache", "quest"],
                 budgets=[32], config=IceCacheConfig(budget=32, page_size=8, sink=4, window=32, dense_layers=(0,), threads=1))
@@ -45,29 +56,33 @@ def _spec(**kw) -> RulerSpec:
     return RulerSpec(**base)
 
 
-def test_runs_every_method_from_one_prefill_and_resumes(tmp_path, model):
+def test_runs_every_method_from_one_prefill_and_resumes(tmp_path, model, prefills):
+    """Every method of a sample answers from one dense prefill (counted: `run_prefill` runs once per sample, with
+    that sample's prompt), rows finish in order, and a resumed run prefills only the samples it adds."""
     tok = CharTokenizer()
     spec = _spec()
     records = run_ruler(model, tok, spec, tmp_path, progress=False)
     assert len(records) == 2 * 3  # 2 tasks x (full + 2 methods at one budget)
     lines = (tmp_path / "predictions.jsonl").read_text().splitlines()
     assert len(lines) == 6
-    by_sample = {}
+    prompts = {}
     for r in records:
-        by_sample.setdefault((r["task"], r["index"]), set()).add(r["prefill_seconds"])
+        prompts.setdefault((r["task"], r["index"]), set()).add(r["prompt_tokens"])
         assert r["budget"] == ("-" if r["method"] == "full" else "32")
         assert 0.0 <= r["score"] <= 1.0 and r["new_tokens"] >= 1
-    assert all(len(p) == 1 for p in by_sample.values())  # the methods of a sample share one prefill
+    assert sorted(prefills) == sorted(n for p in prompts.values() for n in p)  # one prefill per sample, not per method
     for task in ("niah_single_1", "vt"):  # rows finish one after another after the shared prefill
         rows = [r for r in records if r["task"] == task]
         ends = [r["done_after_seconds"] for r in rows]
         assert ends == sorted(ends)
         assert all(end >= sum(r["seconds"] for r in rows[: i + 1]) for i, end in enumerate(ends))
-    # a re-run finds nothing to do; more samples only add the new ones
+    # a re-run finds nothing to do (no prefill); more samples only add (and prefill) the new ones
     assert pending_units(spec, PredictionLog(tmp_path, spec.signature()).done) == []
-    assert len(run_ruler(model, tok, spec, tmp_path, progress=False)) == 6
+    prefills.clear()
+    assert len(run_ruler(model, tok, spec, tmp_path, progress=False)) == 6 and prefills == []
     more = run_ruler(model, tok, _spec(samples=2), tmp_path, progress=False)
     assert len(more) == 12 and len((tmp_path / "predictions.jsonl").read_text().splitlines()) == 12
+    assert len(prefills) == 2  # the second sample of each task
 
 
 def test_auto_records_the_select_it_chose(tmp_path, model):
@@ -82,12 +97,13 @@ def test_auto_records_the_select_it_chose(tmp_path, model):
     assert all("auto_choice" not in r for r in plain)
 
 
-def test_a_variant_row_is_the_run_with_those_settings(tmp_path, model):
+def test_a_variant_row_is_the_run_with_those_settings(tmp_path, model, prefills):
     """``icecache[page_size=4;field_of_view=6]`` and ``quest[page_size=4]`` rows, answered beside the plain rows
     from the same prefill, give token for token what a run whose config has those settings gives."""
     tok = CharTokenizer()
     mixed = run_ruler(model, tok, _spec(tasks=["niah_single_1"], methods=["icecache", "icecache[page_size=4;field_of_view=6]",
                                                                        "quest[page_size=4]"]), tmp_path / "a", progress=False)
+    assert len(prefills) == 1  # one prefill for the three rows
     cfg = IceCacheConfig(budget=32, page_size=4, sink=4, window=32, dense_layers=(0,), threads=1,
                          index_params={"field_of_view": 6})
     alone = run_ruler(model, tok, _spec(tasks=["niah_single_1"], methods=["icecache", "quest"], config=cfg), tmp_path / "b",
@@ -96,7 +112,6 @@ def test_a_variant_row_is_the_run_with_those_settings(tmp_path, model):
     want = {r["method"]: r["prediction"] for r in alone}
     assert got["icecache[page_size=4;field_of_view=6]"] == want["icecache"]
     assert got["quest[page_size=4]"] == want["quest"]
-    assert len({r["prefill_seconds"] for r in mixed}) == 1  # one prefill for the three rows
 
 
 def test_resumed_run_equals_one_shot_run(tmp_path, model):
