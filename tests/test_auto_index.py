@@ -81,13 +81,24 @@ def _decode(model, cfg: IceCacheConfig, ids: torch.Tensor, steps: int) -> tuple[
             tok = logits[0, -1].argmax().view(1, 1)
             out.append(int(tok))
             logits = model(tok, past_key_values=cache, use_cache=True).logits
+    cache.pagers_run = _pagers(cache)  # close() lets the pagers go
     cache.close()
     return out, cache
+
+
+def _pagers(cache: IceCache) -> list[tuple]:
+    """What each sparse layer's pagers are: (layer, class, search mode, M-DCI parameters, page size) per KV head."""
+    return [(i, type(p).__name__, p.search, p.params, p.page_size)
+            for i, layer in enumerate(cache.layers) for row in getattr(layer, "pagers", []) for p in row]
 
 
 @pytest.mark.parametrize("crossover, chosen, params", [(10_000, "mdci[search=exhaustive]", {"search": "exhaustive"}),
                                                       (0, "mdci", {})])
 def test_auto_runs_exactly_the_pager_it_chose(crossover, chosen, params):
+    """``index="auto"`` reports its choice and runs it: every sparse layer's pagers are the chosen pager's (class,
+    ``search``, parameters), and the tokens are those of a cache configured with that pager. The two choices
+    decode the same tokens on this data, so the pagers themselves are compared: running the other choice under
+    the reported name fails here."""
     model = make_tiny_llama(seed=3)
     ids = torch.randint(3, 128, (1, 400), generator=torch.Generator().manual_seed(1))
     base = dict(budget=32, page_size=8, sink=4, window=16, dense_layers=(0,))
@@ -95,6 +106,9 @@ def test_auto_runs_exactly_the_pager_it_chose(crossover, chosen, params):
     want, ref = _decode(model, IceCacheConfig(index="mdci", index_params=params, **base), ids, 12)
     stats = cache.stats()
     assert stats["index"] == chosen and stats["auto_crossover_keys"] == crossover
+    assert {layer for layer, *_ in cache.pagers_run} == {1, 2, 3} and len(cache.pagers_run) == 3 * 2  # 2 KV heads
+    assert {p[1:3] for p in cache.pagers_run} == {("MDCIPager", params.get("search", "tree"))}
+    assert cache.pagers_run == ref.pagers_run
     assert got == want
 
 

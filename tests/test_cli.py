@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 from conftest import make_tiny_llama
+from test_ruler_runner import CharTokenizer
 
 from icecache import IceCacheConfig
 from icecache.cli import ICE_OPTIONS, _ice_config, build_parser, main
@@ -95,6 +96,26 @@ def test_eval_index_and_params_reach_the_icecache_methods(prefill_and_model):
     # the fixed-pager methods keep their pager and its defaults
     ice, pager = _cache_config(model, prefill, "quest", ["--dense-layers", "0"])
     assert ice.index == "sequential" and ice.index_params == {}
+
+
+def test_eval_command_runs_the_pager_its_index_flags_name(monkeypatch, capsys):
+    """``icecache eval`` itself, from its command line through `build_spec`, `EvalSpec` and `run_eval` to the
+    caches: ``--index mdci --index-params field_of_view=7 --page-size 4`` make every sparse layer's pagers M-DCI
+    with field of view 7 and pages of 4 (the test above starts from the config and skips that path)."""
+    import icecache.runtime.models as models
+    from icecache.runtime.pager_choice import PagerChoice
+
+    made = []
+    real_make = PagerChoice.make
+    monkeypatch.setattr(PagerChoice, "make", lambda self, *a: made.append(real_make(self, *a)) or made[-1])
+    monkeypatch.setattr(models, "load_model", lambda name=None: (make_tiny_llama(seed=3), CharTokenizer()))
+    assert main(["eval", "ppl", "--methods", "icecache", "--budgets", "16", "--lengths", "160", "--samples", "1",
+                 "--decode-tokens", "2", "--index", "mdci", "--index-params", "field_of_view=7", "--page-size", "4",
+                 "--dense-layers", "0", "--window", "16", "--threads", "1", "--json"]) == 0
+    assert '"method": "icecache"' in capsys.readouterr().out
+    ran = [p for p in made if len(p)]  # the layers' pagers, holding the prompt's keys (the config checks make empty ones)
+    assert len(ran) == 3 * 2  # sparse layers 1-3, 2 KV heads each
+    assert {(type(p).__name__, p.params.query.field_of_view, p.page_size) for p in ran} == {("MDCIPager", 7, 4)}
 
 
 @pytest.mark.parametrize("method", ["exact", "icecache", "icecache-r", "quest", "pqcache", "streaming", "snapkv"])

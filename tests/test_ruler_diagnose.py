@@ -5,11 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import make_tiny_llama
 from hypothesis import given
 from hypothesis import strategies as st
 
-from icecache import make_pager
-from icecache.eval.ruler.diagnose import Replay, _exhaustive_pages, answer_positions, classify, needs_replay
+from icecache import IceCacheConfig, make_pager
+from icecache.eval.harness import run_prefill
+from icecache.eval.methods import get_method
+from icecache.eval.ruler.diagnose import Replay, _exhaustive_pages, answer_positions, classify, needs_replay, replay
 
 
 def test_classes_follow_the_reference_methods():
@@ -69,3 +72,60 @@ def test_answer_positions_hold_the_answer_tokens(smollm2):
     pos = answer_positions(tok, sample)
     ids = tok(sample.prompt)["input_ids"]
     assert pos.size >= 1 and sample.answers[0] in tok.decode([ids[i] for i in range(pos.min(), pos.max() + 1)])
+
+
+def test_replay_recalls_equal_a_brute_force_count(monkeypatch):
+    """`replay`'s three recalls (per sparse layer, and over every step, layer and KV head) equal a count from
+    their definitions: of the answer tokens the pager holds (absolute position - sink, below the pager's length),
+    the share that (search) the method's select returned, (pages) the pager's own pages take when ranked by their
+    best q.k over the GQA group, whole pages in rank order within the budget, (oracle) the budget's best-scoring
+    keys take. Keys come from the dense prefill (a few steps keep every held key a prompt key); the queries, the
+    pages and the selection are each step's own, recorded under replay's spy."""
+    import icecache.runtime.layer as layer_module
+
+    model = make_tiny_llama(seed=5)
+    ids = torch.randint(3, 128, (1, 200), generator=torch.Generator().manual_seed(4))
+    cfg = IceCacheConfig(budget=32, page_size=8, sink=4, window=16, dense_layers=(0,), threads=1, inserts="inline")
+    prefill = run_prefill(model, ids, obs_window=cfg.window)
+    cache = get_method("icecache").cache(model, prefill, cfg)
+    cache.workers.wait_all()
+    calls = []
+    real_select = layer_module.select_layer
+
+    def recording_select(pagers, queries, budget, gqa, *, layer_idx, **kw):
+        sel = real_select(pagers, queries, budget, gqa, layer_idx=layer_idx, **kw)
+        heads = [(len(p), [pos.tolist() for pos in p.table.as_dict().values()], set(sel.positions[0][h].tolist()))
+                 for h, p in enumerate(pagers[0])]
+        calls.append((layer_idx, queries[0].detach().double().clone(), heads))
+        return sel
+
+    monkeypatch.setattr(layer_module, "select_layer", recording_select)  # replay's spy wraps this one
+    # in the sink, across pages, at the pager's end (it holds 181, 182, 183 keys at the three steps: 185 is held
+    # from the second step on, 187 never), in the window
+    answer = np.array([1, 2, *range(37, 51), 90, 91, 150, 181, 185, 187, 190])
+    tokens = [5, 17, 60, 99]
+    got = replay(model, prefill, cache, tokens, answer)
+    cache.close()
+
+    recalls: dict[int, list[list[float]]] = {}
+    for layer, q, heads in calls:
+        keys = prefill.kv.layers[layer].keys[0].double()  # [H, T, D] by absolute position
+        for h, (n, pages, selected) in enumerate(heads):
+            assert cfg.sink + n <= ids.shape[1]  # the pager holds prompt keys only
+            held = [int(p) - cfg.sink for p in answer if 0 <= p - cfg.sink < n]
+            best = (q[h] @ keys[h, cfg.sink : cfg.sink + n].T).max(0).values.tolist()
+            oracle = set(sorted(range(n), key=lambda i: -best[i])[: cfg.budget])
+            ranked, used = set(), 0
+            for page in sorted(pages, key=lambda pos: -max(best[i] for i in pos)):
+                if used + len(page) > cfg.budget:
+                    break
+                ranked, used = ranked | set(page), used + len(page)
+            recalls.setdefault(layer, []).append([sum(i in s for i in held) / len(held) for s in (selected, ranked, oracle)])
+    assert got.steps == len(tokens) - 1 and sorted(recalls) == sorted(got.per_layer) == [1, 2, 3]
+    assert sorted({n for _, _, heads in calls for n, _, _ in heads}) == [181, 182, 183]  # the ends the answer probes
+    assert all(len(rows) == got.steps * 2 for rows in recalls.values())  # every step, both KV heads
+    for layer, rows in recalls.items():
+        assert got.per_layer[layer] == pytest.approx(tuple(np.mean(rows, 0)), abs=1e-12)
+    want = np.mean([row for rows in recalls.values() for row in rows], 0)
+    assert (got.search_recall, got.pages_recall, got.oracle_recall) == pytest.approx(tuple(want), abs=1e-12)
+    assert 0 < want.min() and want.max() < 1  # neither none nor all: a shifted or cut span changes them
