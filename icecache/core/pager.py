@@ -258,6 +258,8 @@ class SemanticPager(ABC):
         fast path, a pager opted out (``layer_select``), ``budget`` is 0, or the pagers cannot share one call.
         Unchecked queries, as `select_arrays` with ``check=False``: the runtime validates a layer at once.
         """
+        if cls._select_layer.__func__ is SemanticPager._select_layer.__func__:  # no fast path: nothing to check
+            return None
         if budget <= 0 or not pagers or any(type(p) is not cls or not p.layer_select for p in pagers):
             return None
         if queries.dim() != 3 or queries.shape[0] != len(pagers) or queries.shape[2] != pagers[0].head_dim:
