@@ -55,7 +55,8 @@ lint: setup
 bench: setup
 	$(VENV)/bin/icecache bench index --quick
 
-# Regenerate README.md's result tables from the committed run files (experiments/results.py; --check to verify).
+# Regenerate README.md's result tables and figure (experiments/results.png) and the RULER targets from the committed run
+# files (experiments/results.py, experiments/ruler/targets.py; --check to verify).
 results: setup
 	$(PY) experiments/ruler/targets.py >/dev/null
 	$(PY) experiments/results.py
