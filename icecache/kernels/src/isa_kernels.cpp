@@ -1,0 +1,344 @@
+// One instruction set's kernels: the key scan (float32 and float16 keys) and the masked decode attention of one
+// (row, KV head). Compiled three times by icecache/kernels/build.py:
+//   ICE_ISA_GENERIC  no -m flags (x86-64 baseline, scalar loops)
+//   ICE_ISA_AVX2     -mavx2 -mfma -mf16c     (the baseline of our machines: 8 lanes)
+//   ICE_ISA_AVX512   -mavx512f -mavx512vl -mavx512bw -mavx2 -mfma -mf16c   (16-lane loads and FMAs)
+// No -ffast-math: every key's score is summed in one fixed order (per dimension chunk an FMA, then one lane tree),
+// the same for every row whether it is scanned in a block or alone, so a re-scored candidate gets the same float
+// as in a full scan (the reduced-precision filter of dispatch.cpp relies on it).
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "kernels.h"
+
+#if defined(ICE_ISA_AVX2) || defined(ICE_ISA_AVX512)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// IEEE half -> float, exactly (subnormals, infinities and NaN included).
+inline float half_to_float(uint16_t h) {
+    const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+    uint32_t exponent = (h >> 10) & 0x1fu;
+    uint32_t mantissa = h & 0x3ffu;
+    uint32_t bits;
+    if (exponent == 0) {
+        if (mantissa == 0) {
+            bits = sign;
+        } else {  // subnormal: normalise
+            int shift = 0;
+            while ((mantissa & 0x400u) == 0) {
+                mantissa <<= 1;
+                ++shift;
+            }
+            mantissa &= 0x3ffu;
+            bits = sign | static_cast<uint32_t>(127 - 15 + 1 - shift) << 23 | mantissa << 13;
+        }
+    } else if (exponent == 31) {
+        bits = sign | 0x7f800000u | mantissa << 13;
+    } else {
+        bits = sign | (exponent + 127 - 15) << 23 | mantissa << 13;
+    }
+    float out;
+    std::memcpy(&out, &bits, sizeof out);
+    return out;
+}
+
+// ---------------------------------------------------------------------------------------------- generic (scalar)
+template <typename Load>
+inline float dot_scalar(const float* q, int64_t dim, Load load) {
+    float sum = 0.0f;
+    for (int64_t i = 0; i < dim; ++i) sum += q[i] * load(i);
+    return sum;
+}
+
+void scores_f32_scalar(const float* queries, int64_t groups, int64_t dim, const float* keys, int64_t n, float* out) {
+    for (int64_t j = 0; j < n; ++j) {
+        const float* key = keys + j * dim;
+        float best = kNegInf;
+        for (int64_t r = 0; r < groups; ++r) {
+            const float s = dot_scalar(queries + r * dim, dim, [key](int64_t i) { return key[i]; });
+            best = s > best ? s : best;
+        }
+        out[j] = best;
+    }
+}
+
+void scores_f16_scalar(const float* queries, int64_t groups, int64_t dim, const uint16_t* keys, int64_t n, float* out) {
+    for (int64_t j = 0; j < n; ++j) {
+        const uint16_t* key = keys + j * dim;
+        float best = kNegInf;
+        for (int64_t r = 0; r < groups; ++r) {
+            const float s = dot_scalar(queries + r * dim, dim, [key](int64_t i) { return half_to_float(key[i]); });
+            best = s > best ? s : best;
+        }
+        out[j] = best;
+    }
+}
+
+void attend_scalar(const float* queries, int64_t groups, int64_t dim, const float* keys, const float* values,
+                   const uint8_t* valid, int64_t slots, float scale, float* out, float* weights) {
+    for (int64_t r = 0; r < groups; ++r) {
+        const float* q = queries + r * dim;
+        float* o = out + r * dim;
+        float top = kNegInf;
+        for (int64_t s = 0; s < slots; ++s) {
+            if (!valid[s]) continue;
+            const float* key = keys + s * dim;
+            weights[s] = scale * dot_scalar(q, dim, [key](int64_t i) { return key[i]; });
+            top = weights[s] > top ? weights[s] : top;
+        }
+        for (int64_t i = 0; i < dim; ++i) o[i] = 0.0f;
+        if (top == kNegInf) continue;  // no valid slot: zeros, as the numba kernel
+        float total = 0.0f;
+        for (int64_t s = 0; s < slots; ++s) {
+            if (!valid[s]) continue;
+            const float e = std::exp(weights[s] - top);
+            total += e;
+            const float* v = values + s * dim;
+            for (int64_t i = 0; i < dim; ++i) o[i] += e * v[i];
+        }
+        const float inv = 1.0f / total;
+        for (int64_t i = 0; i < dim; ++i) o[i] *= inv;
+    }
+}
+
+// float -> IEEE half, round to nearest even (as numpy's astype(float16) and F16C's vcvtps2ph).
+inline uint16_t float_to_half(float f) {
+    uint32_t x;
+    std::memcpy(&x, &f, sizeof x);
+    const uint32_t sign = (x >> 16) & 0x8000u;
+    const uint32_t absx = x & 0x7fffffffu;
+    if (absx >= 0x7f800000u) return static_cast<uint16_t>(sign | 0x7c00u | (absx > 0x7f800000u ? 0x200u : 0u));
+    if (absx >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // >= 65520 rounds to infinity
+    if (absx < 0x38800000u) {  // below 2^-14: a subnormal half (or zero), in units of 2^-24
+        float a;
+        std::memcpy(&a, &absx, sizeof a);
+        return static_cast<uint16_t>(sign | static_cast<uint32_t>(std::nearbyint(a * 16777216.0f)));
+    }
+    const uint32_t mantissa = absx & 0x7fffffu;
+    uint32_t h = ((absx >> 23) - 127 + 15) << 10 | mantissa >> 13;
+    const uint32_t rest = mantissa & 0x1fffu;
+    if (rest > 0x1000u || (rest == 0x1000u && (h & 1u))) h += 1;  // a carry into the exponent is right too
+    return static_cast<uint16_t>(sign | h);
+}
+
+// dst[i] = half(src[i]) for i < n; returns 1 when every value is finite in float16, 0 when one overflowed.
+int to_half_scalar(const float* src, int64_t n, uint16_t* dst) {
+    int finite = 1;
+    for (int64_t i = 0; i < n; ++i) {
+        dst[i] = float_to_half(src[i]);
+        finite &= (dst[i] & 0x7c00u) != 0x7c00u;
+    }
+    return finite;
+}
+
+// Error allowance of each float16 score: err[j] = rel * norms[j] + absolute + ulp * |approx[j]| (a plain loop: the
+// compiler vectorises it for this build's instruction set).
+void half_errors(const float* approx, const float* norms, float rel, float absolute, float ulp, int64_t n, float* err) {
+    for (int64_t j = 0; j < n; ++j) err[j] = rel * norms[j] + absolute + ulp * std::fabs(approx[j]);
+}
+
+#if defined(ICE_ISA_AVX2) || defined(ICE_ISA_AVX512)
+// ---------------------------------------------------------------------------------------------- 8-lane helpers
+// [sum(v0), ..., sum(v7)]: every lane summed as ((l0+l1)+(l2+l3)) + ((l4+l5)+(l6+l7)).
+inline __m256 reduce8(__m256 v0, __m256 v1, __m256 v2, __m256 v3, __m256 v4, __m256 v5, __m256 v6, __m256 v7) {
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(v0, v1), _mm256_hadd_ps(v2, v3));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(v4, v5), _mm256_hadd_ps(v6, v7));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+inline float hsum8(__m256 v) {  // the same lane order as reduce8
+    const __m256 z = _mm256_setzero_ps();
+    return _mm256_cvtss_f32(reduce8(v, z, z, z, z, z, z, z));
+}
+
+#if defined(ICE_ISA_AVX512)
+constexpr int64_t kLanes = 16;
+using Vec = __m512;
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec vbroadcast(float x) { return _mm512_set1_ps(x); }
+inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+inline __m256 fold(Vec v) {  // 16 lanes -> 8: lane i + lane i+8
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+#else
+constexpr int64_t kLanes = 8;
+using Vec = __m256;
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec vbroadcast(float x) { return _mm256_set1_ps(x); }
+inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline __m256 fold(Vec v) { return v; }
+#endif
+
+// Scores of 8 consecutive keys ``keys[0..8)`` (rows of ``dim``, a multiple of kLanes) into out[0..8).
+inline void block8(const float* queries, int64_t groups, int64_t dim, const float* keys, float* out) {
+    __m256 best = _mm256_set1_ps(kNegInf);
+    for (int64_t r = 0; r < groups; ++r) {
+        const float* q = queries + r * dim;
+        Vec acc[8];
+        for (auto& a : acc) a = vzero();
+        for (int64_t c = 0; c < dim; c += kLanes) {
+            const Vec qc = vload(q + c);
+            for (int t = 0; t < 8; ++t) acc[t] = vfma(qc, vload(keys + t * dim + c), acc[t]);
+        }
+        const __m256 s = reduce8(fold(acc[0]), fold(acc[1]), fold(acc[2]), fold(acc[3]), fold(acc[4]), fold(acc[5]),
+                                 fold(acc[6]), fold(acc[7]));
+        best = _mm256_max_ps(s, best);
+    }
+    _mm256_storeu_ps(out, best);
+}
+
+// Float16 keys: the block converted once into a float tile, then scored as float32 (the same lane order).
+inline void block8(const float* queries, int64_t groups, int64_t dim, const uint16_t* keys, float* out) {
+    alignas(64) float tile[8 * 512];
+    for (int64_t c = 0; c < 8 * dim; c += 8)
+        _mm256_store_ps(tile + c, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(keys + c))));
+    block8(queries, groups, dim, static_cast<const float*>(tile), out);
+}
+
+template <typename T>
+void scores_vector(const float* queries, int64_t groups, int64_t dim, const T* keys, int64_t n, float* out) {
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) block8(queries, groups, dim, keys + j * dim, out + j);
+    if (j == n) return;
+    // The tail: copied into a zero-padded block, so its rows get the block's summation order.
+    alignas(64) T tail[8 * 512];
+    alignas(32) float tail_out[8];
+    const int64_t rest = n - j;
+    std::memset(tail, 0, sizeof(T) * 8 * dim);
+    std::memcpy(tail, keys + j * dim, sizeof(T) * rest * dim);
+    block8(queries, groups, dim, tail, tail_out);
+    std::memcpy(out + j, tail_out, sizeof(float) * rest);
+}
+
+// exp(x) for 8 lanes: x = n ln2 + r (|r| <= ln2 / 2), exp(r) by its Taylor polynomial to degree 7 (relative error
+// below 1e-8 on that range), times 2^n through the exponent bits; 0 below -87 (float32 underflow).
+inline __m256 exp8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.0f);
+    const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lo);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);  // ln2 in two parts: exact first product
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+}
+
+// The attention of one (row, KV head): each query's logits over the slots in blocks of 8 (the scan's block
+// kernel with a group of one), masked, then exp8, then the weighted sum of the values.
+void attend_vector(const float* queries, int64_t groups, int64_t dim, const float* keys, const float* values,
+                   const uint8_t* valid, int64_t slots, float scale, float* out, float* weights) {
+    const int64_t padded = (slots + 7) / 8 * 8;
+    for (int64_t r = 0; r < groups; ++r) {
+        const float* q = queries + r * dim;
+        float* o = out + r * dim;
+        scores_vector(q, 1, dim, keys, slots, weights);
+        float top = kNegInf;
+        for (int64_t s = 0; s < slots; ++s) {
+            weights[s] = valid[s] ? scale * weights[s] : kNegInf;
+            top = weights[s] > top ? weights[s] : top;
+        }
+        if (top == kNegInf) {  // no valid slot: zeros
+            for (int64_t i = 0; i < dim; ++i) o[i] = 0.0f;
+            continue;
+        }
+        for (int64_t s = slots; s < padded; ++s) weights[s] = kNegInf;
+        const __m256 shift = _mm256_set1_ps(top);
+        __m256 total8 = _mm256_setzero_ps();
+        for (int64_t s = 0; s < padded; s += 8) {  // masked slots: exp(-inf) -> 0 (clamped, then zeroed)
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(weights + s), shift));
+            _mm256_storeu_ps(weights + s, e);
+            total8 = _mm256_add_ps(total8, e);
+        }
+        // The weighted sum in registers, up to 8 vectors of the output at a time (no store per slot).
+        const float inv = 1.0f / hsum8(total8);
+        for (int64_t c0 = 0; c0 < dim; c0 += 8 * kLanes) {
+            const int64_t width = std::min<int64_t>(8, (dim - c0) / kLanes);
+            Vec acc[8];
+            for (auto& a : acc) a = vzero();
+            for (int64_t s = 0; s < slots; ++s) {
+                const float e = weights[s];
+                if (e == 0.0f) continue;
+                const Vec ev = vbroadcast(e);
+                const float* v = values + s * dim + c0;
+                for (int64_t t = 0; t < width; ++t) acc[t] = vfma(ev, vload(v + t * kLanes), acc[t]);
+            }
+            const Vec iv = vbroadcast(inv);
+            for (int64_t t = 0; t < width; ++t) vstore(o + c0 + t * kLanes, vmul(acc[t], iv));
+        }
+    }
+}
+
+// to_half_scalar with F16C, 8 values at a time.
+int to_half_isa(const float* src, int64_t n, uint16_t* dst) {
+    int64_t i = 0;
+    __m128i seen = _mm_setzero_si128();
+    const __m128i exponent = _mm_set1_epi16(0x7c00);
+    for (; i + 8 <= n; i += 8) {
+        const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), h);
+        seen = _mm_or_si128(seen, _mm_cmpeq_epi16(_mm_and_si128(h, exponent), exponent));
+    }
+    const int finite = _mm_testz_si128(seen, seen);
+    return to_half_scalar(src + i, n - i, dst + i) & finite;
+}
+
+// Widths the vector kernels take: a multiple of the lane count, at most 512 (the tail block's size).
+inline bool vector_width(int64_t dim) { return dim % kLanes == 0 && dim <= 512; }
+
+void scores_f32_isa(const float* queries, int64_t groups, int64_t dim, const float* keys, int64_t n, float* out) {
+    if (vector_width(dim)) scores_vector(queries, groups, dim, keys, n, out);
+    else scores_f32_scalar(queries, groups, dim, keys, n, out);
+}
+
+void scores_f16_isa(const float* queries, int64_t groups, int64_t dim, const uint16_t* keys, int64_t n, float* out) {
+    if (vector_width(dim)) scores_vector(queries, groups, dim, keys, n, out);
+    else scores_f16_scalar(queries, groups, dim, keys, n, out);
+}
+
+void attend_isa(const float* queries, int64_t groups, int64_t dim, const float* keys, const float* values,
+                const uint8_t* valid, int64_t slots, float scale, float* out, float* weights) {
+    if (vector_width(dim)) attend_vector(queries, groups, dim, keys, values, valid, slots, scale, out, weights);
+    else attend_scalar(queries, groups, dim, keys, values, valid, slots, scale, out, weights);
+}
+#endif
+
+}  // namespace
+
+#if defined(ICE_ISA_AVX512)
+extern "C" const IceIsaKernels* ice_kernels_avx512() {
+    static const IceIsaKernels table{"avx512", scores_f32_isa, scores_f16_isa, attend_isa, half_errors, to_half_isa};
+    return &table;
+}
+#elif defined(ICE_ISA_AVX2)
+extern "C" const IceIsaKernels* ice_kernels_avx2() {
+    static const IceIsaKernels table{"avx2", scores_f32_isa, scores_f16_isa, attend_isa, half_errors, to_half_isa};
+    return &table;
+}
+#else
+extern "C" const IceIsaKernels* ice_kernels_generic() {
+    static const IceIsaKernels table{"generic", scores_f32_scalar, scores_f16_scalar, attend_scalar, half_errors, to_half_scalar};
+    return &table;
+}
+#endif

@@ -1,0 +1,30 @@
+// IceCache's native kernels: the C ABI shared by the ISA builds (isa_kernels.cpp, compiled once per instruction
+// set) and the dispatcher (dispatch.cpp, compiled for the baseline). Python loads the library with ctypes
+// (icecache/kernels/library.py); every exported function releases nothing and allocates nothing the caller
+// must free.
+#pragma once
+#include <cstdint>
+
+// One instruction set's scan and attention kernels. Scores: out[j] = max_r q[r] . keys[j] for j in [0, n), with
+// one fixed summation order per key (the same for every j, so a row scanned alone or in a block gets the same
+// float). Keys are rows of `d` values; `d` any positive width.
+struct IceIsaKernels {
+    const char* name;
+    void (*scores_f32)(const float* queries, int64_t groups, int64_t dim, const float* keys, int64_t n, float* out);
+    void (*scores_f16)(const float* queries, int64_t groups, int64_t dim, const uint16_t* keys, int64_t n, float* out);
+    // Masked attention of one (row, KV head): queries [groups, dim] over slots [slots, dim] where valid[s] != 0;
+    // out [groups, dim]; weights: scratch of `slots + 8` floats.
+    void (*attend)(const float* queries, int64_t groups, int64_t dim, const float* keys, const float* values,
+                   const uint8_t* valid, int64_t slots, float scale, float* out, float* weights);
+    // err[j] = rel * norms[j] + absolute + ulp * |approx[j]|: the float16 scores' error allowance.
+    void (*half_errors)(const float* approx, const float* norms, float rel, float absolute, float ulp, int64_t n, float* err);
+    // dst[i] = the float16 bits of src[i], rounded to nearest even; returns 0 when a value overflowed (else 1).
+    int (*to_half)(const float* src, int64_t n, uint16_t* dst);
+};
+
+// Weak: a compiler without an instruction set's flags builds the library without it (the address is then null).
+extern "C" {
+const IceIsaKernels* ice_kernels_generic();
+__attribute__((weak)) const IceIsaKernels* ice_kernels_avx2();
+__attribute__((weak)) const IceIsaKernels* ice_kernels_avx512();
+}
