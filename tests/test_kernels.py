@@ -192,8 +192,33 @@ def test_off_by_environment_is_quiet(monkeypatch):
 
 def test_build_from_the_sources_into_a_fresh_folder(tmp_path):
     manifest = build.build(tmp_path)
-    assert "generic" in manifest["isas"] and (tmp_path / build.LIBRARY.name).exists()
+    assert manifest["isas"] == list(build.ISAS) and manifest["openmp"] and not manifest["skipped"], manifest
+    assert (tmp_path / build.LIBRARY.name).exists()
     assert json.loads((tmp_path / build.MANIFEST.name).read_text())["source_hash"] == build.source_hash()
     fresh = library.NativeKernels(str(tmp_path / build.LIBRARY.name))
     q = np.ones((1, 8), np.float32)
     assert fresh.scores(q, np.eye(8, dtype=np.float32)).tolist() == [1.0] * 8
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(pages=st.integers(1, 700), k=st.integers(1, 100), d=st.sampled_from([8, 24, 64, 256]), g=st.integers(1, 4),
+       seed=st.integers(0, 2**16))
+def test_quest_pages_match_float64_bounds(isa, pages, k, d, g, seed):
+    """Quest's page bound against a float64 evaluation of sum_c max(q_c lo_c, q_c hi_c), max over the group: the
+    top pages agree except within float rounding of the k-th bound, and come best first."""
+    rng = np.random.default_rng(seed)
+    a, b = rng.standard_normal((2, pages, d)).astype(np.float32)
+    lo, hi = np.minimum(a, b), np.maximum(a, b)
+    q = rng.standard_normal((1, g, d)).astype(np.float32)
+    got, scores, found = KERNELS.layer_quest_pages(q, [lo], [hi], np.array([pages]), k)
+    q64 = q[0].astype(np.float64)[:, None, :]
+    ref = np.maximum(q64 * lo.astype(np.float64), q64 * hi.astype(np.float64)).sum(-1).max(0)
+    order = np.lexsort((np.arange(pages), -ref))[: min(k, pages)]
+    ids = got[0, : found[0]]
+    assert found[0] == min(k, pages)
+    slack = 4 * d * 2.0**-24 * np.abs(q64 * np.maximum(np.abs(lo), np.abs(hi))).sum(-1).max()
+    if k < pages:
+        kth = ref[order[-1]]
+        assert all(abs(ref[j] - kth) <= slack for j in set(ids) ^ set(order))
+    np.testing.assert_allclose(scores[0, : found[0]], ref[ids], rtol=0, atol=slack)
+    assert np.all(np.diff(scores[0, : found[0]]) <= 0)

@@ -9,6 +9,9 @@ new ones, so insert-after-build is identical to a build on the concatenation.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import cast
+
 import numpy as np
 import torch
 from numba import njit
@@ -16,6 +19,7 @@ from numba import njit
 from icecache.core.capacity import grown_capacity
 from icecache.core.pager import SemanticPager, top_k_stable
 from icecache.indexes.registry import register_pager
+from icecache.kernels.library import native_kernels
 
 
 @njit(nogil=True, cache=True, fastmath={"reassoc", "contract"})
@@ -116,12 +120,36 @@ class SequentialPager(SemanticPager):
         return self._kmin, self._kmax
 
     def _rank_pages(self, queries: torch.Tensor, budget: int) -> tuple[np.ndarray, np.ndarray]:
+        kernels = native_kernels()
+        if kernels is not None:  # the layer path's kernel, so both give the same floats
+            q = queries.detach().to(torch.float32).contiguous().numpy()[None]
+            pages, scores, found = kernels.layer_quest_pages(q, [self._lo.numpy()], [self._hi.numpy()],
+                                                             np.array([self._pages]), budget, self.select_threads)
+            return pages[0, : found[0]].copy(), scores[0, : found[0]].copy()
         # [g, pages, d] -> bound per (query, page) -> max over the group.
         bound = np.empty(self._pages, np.float32)
         _page_bounds_score(queries.detach().to(torch.float32).contiguous().numpy(), self._kmin.numpy(), self._kmax.numpy(), bound)
         k = min(budget, bound.shape[0])  # every page holds >= 1 token, so at most `budget` can fit
         order = top_k_stable(bound, k)  # argsort of every page was ~0.1 ms per select at 2.5k pages
         return order.astype(np.int64), bound[order]
+
+    @classmethod
+    def _select_layer(cls, pagers: Sequence[SemanticPager], queries: torch.Tensor,
+                      budget: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None:
+        """`SemanticPager.select_layer_positions`: every head's bounds and top pages in one native call
+        (`icecache.kernels`, GIL released), then each head's budget rule; None without the native kernels."""
+        kernels = native_kernels()
+        if kernels is None:
+            return None
+        heads = cast(list[SequentialPager], list(pagers))
+        pages, _, found = kernels.layer_quest_pages(queries.numpy(), [p._lo.numpy() for p in heads], [p._hi.numpy() for p in heads],
+                                                    np.array([p._pages for p in heads], np.int64), budget, heads[0].select_threads)
+        out = []
+        for h, p in enumerate(heads):
+            ids = pages[h, : found[h]]
+            j, indptr, positions = p.table.take_within_budget(ids, budget)
+            out.append((ids[:j].copy(), indptr, positions))
+        return out
 
     def index_bytes(self) -> int:
         return 2 * self._lo.numel() * 4  # reserved capacity included

@@ -135,7 +135,8 @@ def _version(compiler: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m icecache.kernels.build", description=__doc__.splitlines()[0])
-    parser.add_argument("--strict", action="store_true", help="exit 1 when the library cannot be built")
+    parser.add_argument("--strict", action="store_true",
+                        help="exit 1 when the library, one of its instruction sets or OpenMP cannot be built")
     parser.add_argument("--if-stale", action="store_true", help="do nothing when the library is current")
     args = parser.parse_args(argv)
     if args.if_stale and is_current():
@@ -146,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as err:
         print(f"icecache kernels: not built ({err}); the runtime will use its numba kernels", file=sys.stderr)
         return 1 if args.strict else 0
+    if args.strict and manifest["skipped"]:
+        print(f"icecache kernels: --strict, but left out: {manifest['skipped']}", file=sys.stderr)
+        return 1
     skipped = "".join(f"; {isa} left out: {why}" for isa, why in manifest["skipped"].items())  # type: ignore[union-attr]
     print(f"icecache kernels: built {', '.join(manifest['isas'])}{' with OpenMP' if manifest['openmp'] else ''} "  # type: ignore[arg-type]
           f"in {manifest['seconds']} s "

@@ -68,6 +68,8 @@ class NativeKernels:
         lib.ice_scores.argtypes = [_PTR, _I64, _I64, _PTR, ctypes.c_int, _I64, _PTR]
         lib.ice_scores.restype = None
         lib.ice_layer_top_tokens.argtypes = [_I64, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64]
+        lib.ice_layer_quest_pages.argtypes = [_I64, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64]
+        lib.ice_layer_quest_pages.restype = None
         lib.ice_to_half.argtypes = [_PTR, _I64, _PTR]
         lib.ice_to_half.restype = ctypes.c_int
         lib.ice_layer_top_tokens.restype = None
@@ -166,6 +168,29 @@ class NativeKernels:
                                        addrn.ctypes.data, None if half_done is None else half_done.ctypes.data, counts.ctypes.data, max(k, 0), pos.ctypes.data, scores.ctypes.data,
                                        found.ctypes.data, rescored.ctypes.data, max(1, threads))
         return pos, scores, found, rescored
+
+    def layer_quest_pages(self, queries: np.ndarray, lows: list[np.ndarray], highs: list[np.ndarray], counts: np.ndarray,
+                          k: int, threads: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every head's top ``min(k, counts[h])`` pages by Quest's bound ``max_r sum_c max(q_rc lo_c, q_rc hi_c)``,
+        best first, ties by page row. ``queries`` ``[H, g, d]``; ``lows[h]`` / ``highs[h]`` ``[>= counts[h], d]``
+        float32 page minima / maxima. Returns ``(pages [H, k] int64, scores [H, k] float32, found [H] int64)``."""
+        q = _f32(queries, 3)
+        heads, _, dim = q.shape
+        counts = np.ascontiguousarray(counts, dtype=np.int64)
+        if len(lows) != heads or len(highs) != heads or counts.shape != (heads,):
+            raise ValueError(f"{heads} heads of queries, {len(lows)} / {len(highs)} bound buffers, counts {counts.shape}")
+        for h in range(heads):
+            _check_rows(lows[h], np.float32, dim, int(counts[h]), f"lows[{h}]")
+            _check_rows(highs[h], np.float32, dim, int(counts[h]), f"highs[{h}]")
+        pages = np.zeros((heads, max(k, 0)), np.int64)
+        scores = np.zeros((heads, max(k, 0)), np.float32)
+        found = np.zeros(heads, np.int64)
+        addr_lo = np.array([x.ctypes.data for x in lows], np.int64)  # held here: the call reads them
+        addr_hi = np.array([x.ctypes.data for x in highs], np.int64)
+        self._lib.ice_layer_quest_pages(heads, q.ctypes.data, q.shape[1], dim, addr_lo.ctypes.data, addr_hi.ctypes.data,
+                                        counts.ctypes.data, max(k, 0), pages.ctypes.data, scores.ctypes.data,
+                                        found.ctypes.data, max(1, threads))
+        return pages, scores, found
 
     def layer_attend(self, queries: np.ndarray, keys: np.ndarray, values: np.ndarray, valid: np.ndarray, scale: float,
                      threads: int = 1) -> np.ndarray:

@@ -40,9 +40,9 @@ const IceIsaKernels* table_of(const char* isa) {
     return nullptr;
 }
 
-// The default preference: AVX2 before AVX-512. On our 2-core Xeon (AVX-512 F/BW/VL) the 16-lane build scanned and
-// attended 10-35% slower than the 8-lane one (experiments/bench_runtime/native_kernels/): ICECACHE_ISA=avx512
-// selects it where it pays.
+// The default preference: AVX2 before AVX-512. On our 2-core Xeon (AVX-512 F/BW/VL) the 16-lane build's
+// single-threaded scan of a decode step took 31.8 ms against AVX2's 24.2 (float32; 29.1 vs 19.5 with the float16
+// pass; experiments/bench_runtime/native_kernels/): ICECACHE_ISA=avx512 selects it where it pays.
 const IceIsaKernels* best_table() {
     for (const char* isa : {"avx2", "avx512"})
         if (cpu_has(isa) && table_of(isa) != nullptr) return table_of(isa);
@@ -413,7 +413,7 @@ void ice_layer_top_tokens(int64_t heads, const float* queries, int64_t groups, i
         *t.rescored = -1;
         t.keys16 = nullptr;
         t.norms = reinterpret_cast<const float*>(norms[h]);
-        if (keys16[h] != 0 && norms[h] != 0 && half_done != nullptr && t.k < t.n) {
+        if (keys16[h] != 0 && norms[h] != 0 && half_done != nullptr && t.k < t.n && kernels().fast_half) {
             extend_half(t.keys32, reinterpret_cast<uint16_t*>(keys16[h]), reinterpret_cast<float*>(norms[h]), dim, t.n,
                         half_done + h);
             if (half_done[h] >= 0) t.keys16 = reinterpret_cast<const uint16_t*>(keys16[h]);
@@ -435,13 +435,30 @@ void ice_layer_top_tokens(int64_t heads, const float* queries, int64_t groups, i
     parallel_units(heads * chunks, threads, one);
 }
 
+// Quest pages of every head: queries [heads, groups, dim]; lo[h] / hi[h] the addresses of each head's page minima /
+// maxima [counts[h], dim] float32; the top min(k, counts[h]) pages by the bound, best first, ties by page row, in
+// out_pages / out_scores [heads, k]; out_counts[h] how many.
+void ice_layer_quest_pages(int64_t heads, const float* queries, int64_t groups, int64_t dim, const int64_t* lo,
+                           const int64_t* hi, const int64_t* counts, int64_t k, int64_t* out_pages, float* out_scores,
+                           int64_t* out_counts, int64_t threads) {
+    const std::function<void(int64_t)> one = [&](int64_t h) {
+        Scratch& s = scratch();
+        const int64_t n = std::max<int64_t>(counts[h], 0);
+        s.scores.resize(n);
+        kernels().quest_bounds(queries + h * groups * dim, groups, dim, reinterpret_cast<const float*>(lo[h]),
+                               reinterpret_cast<const float*>(hi[h]), n, s.scores.data());
+        out_counts[h] = top_k(s.scores.data(), nullptr, n, k, out_pages + h * k, out_scores + h * k, s.tmp, s.picked);
+    };
+    parallel_units(heads, threads, one);
+}
+
 // Masked decode attention of `units` (row, KV head) pairs: queries [units, groups, dim], keys / values
 // [units, slots, dim], valid [units, slots] (bytes, 0 = masked) -> out [units, groups, dim].
 void ice_layer_attend(int64_t units, const float* queries, int64_t groups, int64_t dim, const float* keys,
                       const float* values, const uint8_t* valid, int64_t slots, float scale, float* out, int64_t threads) {
     const std::function<void(int64_t)> one = [&](int64_t u) {
         Scratch& s = scratch();
-        s.tmp.resize(slots + 8);  // the vector kernels pad the slots to a multiple of 8
+        s.tmp.resize(groups * (slots + 8));  // the vector kernels pad the slots to a multiple of 8
         kernels().attend(queries + u * groups * dim, groups, dim, keys + u * slots * dim, values + u * slots * dim,
                          valid + u * slots, slots, scale, out + u * groups * dim, s.tmp.data());
     };

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 #include "kernels.h"
 
@@ -138,6 +139,23 @@ int to_half_scalar(const float* src, int64_t n, uint16_t* dst) {
     return finite;
 }
 
+void quest_bounds_scalar(const float* queries, int64_t groups, int64_t dim, const float* lo, const float* hi, int64_t pages,
+                         float* out) {
+    for (int64_t p = 0; p < pages; ++p) {
+        float best = kNegInf;
+        for (int64_t r = 0; r < groups; ++r) {
+            const float* q = queries + r * dim;
+            float sum = 0.0f;
+            for (int64_t c = 0; c < dim; ++c) {
+                const float a = q[c] * lo[p * dim + c], b = q[c] * hi[p * dim + c];
+                sum += a > b ? a : b;
+            }
+            best = sum > best ? sum : best;
+        }
+        out[p] = best;
+    }
+}
+
 // Error allowance of each float16 score: err[j] = rel * norms[j] + absolute + ulp * |approx[j]| (a plain loop: the
 // compiler vectorises it for this build's instruction set).
 void half_errors(const float* approx, const float* norms, float rel, float absolute, float ulp, int64_t n, float* err) {
@@ -166,6 +184,8 @@ inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline Vec vbroadcast(float x) { return _mm512_set1_ps(x); }
 inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline Vec vmax(Vec a, Vec b) { return _mm512_max_ps(a, b); }
 inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 inline __m256 fold(Vec v) {  // 16 lanes -> 8: lane i + lane i+8
     return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
@@ -178,6 +198,8 @@ inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline Vec vbroadcast(float x) { return _mm256_set1_ps(x); }
 inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+inline Vec vmax(Vec a, Vec b) { return _mm256_max_ps(a, b); }
 inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 inline __m256 fold(Vec v) { return v; }
 #endif
@@ -245,49 +267,110 @@ inline __m256 exp8(__m256 x) {
     return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
 }
 
-// The attention of one (row, KV head): each query's logits over the slots in blocks of 8 (the scan's block
-// kernel with a group of one), masked, then exp8, then the weighted sum of the values.
+// Logits of 8 consecutive slots for every query of the group: out[r * stride + t] = q_r . keys[t] (the block's
+// keys stay in L1 across the queries, so K is read once).
+inline void block8_each(const float* queries, int64_t groups, int64_t dim, const float* keys, float* out, int64_t stride) {
+    for (int64_t r = 0; r < groups; ++r) {
+        const float* q = queries + r * dim;
+        Vec acc[8];
+        for (auto& a : acc) a = vzero();
+        for (int64_t c = 0; c < dim; c += kLanes) {
+            const Vec qc = vload(q + c);
+            for (int t = 0; t < 8; ++t) acc[t] = vfma(qc, vload(keys + t * dim + c), acc[t]);
+        }
+        _mm256_storeu_ps(out + r * stride, reduce8(fold(acc[0]), fold(acc[1]), fold(acc[2]), fold(acc[3]), fold(acc[4]),
+                                                   fold(acc[5]), fold(acc[6]), fold(acc[7])));
+    }
+}
+
+// The attention of one (row, KV head), the group's queries together: logits in blocks of 8 slots (K read once),
+// masked, exp8, then the weighted sums of up to 4 queries x 4 vectors in registers per pass over V.
+// weights: scratch of groups * (slots + 8) floats.
 void attend_vector(const float* queries, int64_t groups, int64_t dim, const float* keys, const float* values,
                    const uint8_t* valid, int64_t slots, float scale, float* out, float* weights) {
     const int64_t padded = (slots + 7) / 8 * 8;
-    for (int64_t r = 0; r < groups; ++r) {
-        const float* q = queries + r * dim;
-        float* o = out + r * dim;
-        scores_vector(q, 1, dim, keys, slots, weights);
-        float top = kNegInf;
-        for (int64_t s = 0; s < slots; ++s) {
-            weights[s] = valid[s] ? scale * weights[s] : kNegInf;
-            top = weights[s] > top ? weights[s] : top;
+    alignas(64) float tail[8 * 512];
+    for (int64_t s = 0; s < padded; s += 8) {
+        const float* block = keys + s * dim;
+        if (s + 8 > slots) {  // the last, partial block: zero-padded copy
+            std::memset(tail, 0, sizeof(float) * 8 * dim);
+            std::memcpy(tail, keys + s * dim, sizeof(float) * (slots - s) * dim);
+            block = tail;
         }
-        if (top == kNegInf) {  // no valid slot: zeros
-            for (int64_t i = 0; i < dim; ++i) o[i] = 0.0f;
+        block8_each(queries, groups, dim, block, weights + s, padded);
+    }
+    std::vector<float> inv(groups, 0.0f);
+    for (int64_t r = 0; r < groups; ++r) {
+        float* w = weights + r * padded;
+        float top = kNegInf;
+        for (int64_t s = 0; s < padded; ++s) {
+            w[s] = (s < slots && valid[s]) ? scale * w[s] : kNegInf;
+            top = w[s] > top ? w[s] : top;
+        }
+        if (top == kNegInf) {  // no valid slot: zeros (inv stays 0)
+            for (int64_t s = 0; s < padded; ++s) w[s] = 0.0f;
             continue;
         }
-        for (int64_t s = slots; s < padded; ++s) weights[s] = kNegInf;
         const __m256 shift = _mm256_set1_ps(top);
         __m256 total8 = _mm256_setzero_ps();
         for (int64_t s = 0; s < padded; s += 8) {  // masked slots: exp(-inf) -> 0 (clamped, then zeroed)
-            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(weights + s), shift));
-            _mm256_storeu_ps(weights + s, e);
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(w + s), shift));
+            _mm256_storeu_ps(w + s, e);
             total8 = _mm256_add_ps(total8, e);
         }
-        // The weighted sum in registers, up to 8 vectors of the output at a time (no store per slot).
-        const float inv = 1.0f / hsum8(total8);
-        for (int64_t c0 = 0; c0 < dim; c0 += 8 * kLanes) {
-            const int64_t width = std::min<int64_t>(8, (dim - c0) / kLanes);
-            Vec acc[8];
-            for (auto& a : acc) a = vzero();
+        inv[r] = 1.0f / hsum8(total8);
+    }
+    for (int64_t r0 = 0; r0 < groups; r0 += 4) {
+        const int64_t rows = std::min<int64_t>(4, groups - r0);
+        for (int64_t c0 = 0; c0 < dim; c0 += 4 * kLanes) {
+            const int64_t width = std::min<int64_t>(4, (dim - c0) / kLanes);
+            Vec acc[4][4];
+            for (auto& row : acc)
+                for (auto& a : row) a = vzero();
             for (int64_t s = 0; s < slots; ++s) {
-                const float e = weights[s];
-                if (e == 0.0f) continue;
-                const Vec ev = vbroadcast(e);
                 const float* v = values + s * dim + c0;
-                for (int64_t t = 0; t < width; ++t) acc[t] = vfma(ev, vload(v + t * kLanes), acc[t]);
+                Vec vv[4];
+                for (int64_t t = 0; t < width; ++t) vv[t] = vload(v + t * kLanes);
+                for (int64_t r = 0; r < rows; ++r) {
+                    const Vec e = vbroadcast(weights[(r0 + r) * padded + s]);
+                    for (int64_t t = 0; t < width; ++t) acc[r][t] = vfma(e, vv[t], acc[r][t]);
+                }
             }
-            const Vec iv = vbroadcast(inv);
-            for (int64_t t = 0; t < width; ++t) vstore(o + c0 + t * kLanes, vmul(acc[t], iv));
+            for (int64_t r = 0; r < rows; ++r) {
+                const Vec iv = vbroadcast(inv[r0 + r]);
+                for (int64_t t = 0; t < width; ++t) vstore(out + (r0 + r) * dim + c0 + t * kLanes, vmul(acc[r][t], iv));
+            }
         }
     }
+}
+
+// Quest's bound for 8 pages at a time (the scan's block structure: one accumulator per page, one lane tree).
+void quest_bounds_isa(const float* queries, int64_t groups, int64_t dim, const float* lo, const float* hi, int64_t pages,
+                      float* out) {
+    if (!(dim % kLanes == 0 && dim <= 512)) {
+        quest_bounds_scalar(queries, groups, dim, lo, hi, pages, out);
+        return;
+    }
+    int64_t p = 0;
+    for (; p + 8 <= pages; p += 8) {
+        __m256 best = _mm256_set1_ps(kNegInf);
+        for (int64_t r = 0; r < groups; ++r) {
+            const float* q = queries + r * dim;
+            Vec acc[8];
+            for (auto& a : acc) a = vzero();
+            for (int64_t c = 0; c < dim; c += kLanes) {
+                const Vec qc = vload(q + c);
+                for (int t = 0; t < 8; ++t) {
+                    const float* row = lo + (p + t) * dim + c;
+                    acc[t] = vadd(acc[t], vmax(vmul(qc, vload(row)), vmul(qc, vload(hi + (row - lo)))));
+                }
+            }
+            best = _mm256_max_ps(best, reduce8(fold(acc[0]), fold(acc[1]), fold(acc[2]), fold(acc[3]), fold(acc[4]),
+                                               fold(acc[5]), fold(acc[6]), fold(acc[7])));
+        }
+        _mm256_storeu_ps(out + p, best);
+    }
+    if (p < pages) quest_bounds_scalar(queries, groups, dim, lo + p * dim, hi + p * dim, pages - p, out + p);
 }
 
 // to_half_scalar with F16C, 8 values at a time.
@@ -328,17 +411,17 @@ void attend_isa(const float* queries, int64_t groups, int64_t dim, const float* 
 
 #if defined(ICE_ISA_AVX512)
 extern "C" const IceIsaKernels* ice_kernels_avx512() {
-    static const IceIsaKernels table{"avx512", scores_f32_isa, scores_f16_isa, attend_isa, half_errors, to_half_isa};
+    static const IceIsaKernels table{"avx512", true, scores_f32_isa, scores_f16_isa, attend_isa, half_errors, to_half_isa, quest_bounds_isa};
     return &table;
 }
 #elif defined(ICE_ISA_AVX2)
 extern "C" const IceIsaKernels* ice_kernels_avx2() {
-    static const IceIsaKernels table{"avx2", scores_f32_isa, scores_f16_isa, attend_isa, half_errors, to_half_isa};
+    static const IceIsaKernels table{"avx2", true, scores_f32_isa, scores_f16_isa, attend_isa, half_errors, to_half_isa, quest_bounds_isa};
     return &table;
 }
 #else
 extern "C" const IceIsaKernels* ice_kernels_generic() {
-    static const IceIsaKernels table{"generic", scores_f32_scalar, scores_f16_scalar, attend_scalar, half_errors, to_half_scalar};
+    static const IceIsaKernels table{"generic", false, scores_f32_scalar, scores_f16_scalar, attend_scalar, half_errors, to_half_scalar, quest_bounds_scalar};
     return &table;
 }
 #endif

@@ -10,16 +10,22 @@
 // float). Keys are rows of `d` values; `d` any positive width.
 struct IceIsaKernels {
     const char* name;
+    // Whether the float16 first pass pays here (hardware conversion); the generic build converts in software and
+    // scans float32 instead (2.5x slower with the pass, experiments/bench_runtime/native_kernels/).
+    bool fast_half;
     void (*scores_f32)(const float* queries, int64_t groups, int64_t dim, const float* keys, int64_t n, float* out);
     void (*scores_f16)(const float* queries, int64_t groups, int64_t dim, const uint16_t* keys, int64_t n, float* out);
     // Masked attention of one (row, KV head): queries [groups, dim] over slots [slots, dim] where valid[s] != 0;
-    // out [groups, dim]; weights: scratch of `slots + 8` floats.
+    // out [groups, dim]; weights: scratch of `groups * (slots + 8)` floats.
     void (*attend)(const float* queries, int64_t groups, int64_t dim, const float* keys, const float* values,
                    const uint8_t* valid, int64_t slots, float scale, float* out, float* weights);
     // err[j] = rel * norms[j] + absolute + ulp * |approx[j]|: the float16 scores' error allowance.
     void (*half_errors)(const float* approx, const float* norms, float rel, float absolute, float ulp, int64_t n, float* err);
     // dst[i] = the float16 bits of src[i], rounded to nearest even; returns 0 when a value overflowed (else 1).
     int (*to_half)(const float* src, int64_t n, uint16_t* dst);
+    // Quest's page bound: out[p] = max_r sum_c max(q_rc lo[p, c], q_rc hi[p, c]) for p < pages.
+    void (*quest_bounds)(const float* queries, int64_t groups, int64_t dim, const float* lo, const float* hi, int64_t pages,
+                         float* out);
 };
 
 // Weak: a compiler without an instruction set's flags builds the library without it (the address is then null).
