@@ -195,6 +195,7 @@ class IceCacheCPUBuilder(CPUAttentionMetadataBuilder):
         num_reqs = common_attn_metadata.num_reqs
         qsl = common_attn_metadata.query_start_loc_cpu.tolist()
         seq_lens = common_attn_metadata.seq_lens.cpu().tolist()
+        # Candidates: one query token past sink + window + budget. Which of them decode is known from the runner.
         rows = [i for i in range(num_reqs) if qsl[i + 1] - qsl[i] == 1 and seq_lens[i] > threshold]
         runner, sched = find_runner()
         if runner is None:
@@ -207,6 +208,11 @@ class IceCacheCPUBuilder(CPUAttentionMetadataBuilder):
             return md
         for rid in (sched.preempted_req_ids or ()) if sched is not None else ():
             STATES.release(rid, why="preempted")
+        # A prompt token is never decoded sparsely: with prefix caching a repeated prompt recomputes only its last
+        # token, and a chunked prefill may end in a one-token chunk; both have query length 1. A row decodes only
+        # once the token it computes comes after the prompt (position seq_len - 1 >= the prompt's length).
+        prompt_lens = runner.input_batch.num_prompt_tokens
+        rows = [i for i in rows if seq_lens[i] > int(prompt_lens[i])]
         bt = common_attn_metadata.block_table_tensor
         for i in rows:
             st = STATES.for_row(req_ids[i], bt[i], seq_lens[i], self.block_size, owner=runner.requests.get(req_ids[i]))

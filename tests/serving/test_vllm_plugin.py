@@ -255,6 +255,44 @@ def test_preempted_requests_are_freed_and_rebuilt(tmp_path):
     assert all(len(t) == 500 for t in out["token_ids"])
 
 
+def _one_token_last_chunk(length: int) -> int:
+    """A prefill chunk size (vLLM's ``max_num_batched_tokens``) that leaves a one-token last chunk of a prompt of
+    ``length`` tokens."""
+    for size in range(2048, 255, -1):
+        if length % size == 1:
+            return size
+    raise AssertionError(f"no chunk size in [256, 2048] leaves one token of {length}")
+
+
+@pytest.fixture(scope="module")
+def prompt_tails(tmp_path_factory):
+    """One long prompt, first cold and then again with vLLM's prefix cache holding it (``alone``: only its last
+    token is computed), and once more prefilled in chunks whose last has one token; stock vLLM and the plugin."""
+    prompt, runs = LONG[0], {}
+    chunk = {"max_num_batched_tokens": _one_token_last_chunk(len(prompt)), "enable_chunked_prefill": True}
+    for plugin, cfg in ((False, None), (True, {"icecache": REFERENCE["configs"]["exact-32"]})):
+        name = "ice" if plugin else "stock"
+        runs[name] = run_vllm(tmp_path_factory.mktemp(f"tail_{name}"), plugin=plugin, additional_config=cfg, prompts=[prompt],
+                              max_tokens=4, alone=True, logprobs=True)
+        runs[f"{name}_chunked"] = run_vllm(tmp_path_factory.mktemp(f"tail_{name}_chunked"), plugin=plugin, additional_config=cfg,
+                                           prompts=[prompt], max_tokens=4, logprobs=True, engine_args=chunk)
+    return runs
+
+
+def test_prompt_tokens_are_never_decoded_sparsely(prompt_tails):
+    """(Issue 57) The first generated token's log-probability does not depend on what vLLM's cache held: the
+    prompt's last token, computed alone from the prefix cache or as a one-token prefill chunk, attends the whole
+    prompt (vLLM's kernel), as in a cold prefill and as in stock vLLM. Before the fix the one-token last chunk
+    moved it by 0.125 (budget 32, 2026-12-07; the issue measured 0.036 for a cached prompt at budget 64)."""
+    runs = prompt_tails
+    cold = runs["ice"]["logprobs"][0][0]
+    seen = {"cached": runs["ice"]["alone_logprobs"][0][0], "one-token last chunk": runs["ice_chunked"]["logprobs"][0][0],
+            "stock": runs["stock"]["logprobs"][0][0], "stock cached": runs["stock"]["alone_logprobs"][0][0],
+            "stock chunked": runs["stock_chunked"]["logprobs"][0][0]}
+    off = {label: round(got - cold, 5) for label, got in seen.items() if abs(got - cold) >= 2e-3}
+    assert not off, f"first-token log-probability minus the cold run's ({cold:.5f}): {off}"
+
+
 @pytest.mark.parametrize("bad, message", [
     ({"budget": -1}, "IceCacheConfig.budget must be in [0, 16777216], got -1"),
     ({"budgte": 256}, 'additional_config["icecache"] has unknown or unsupported key(s) budgte'),

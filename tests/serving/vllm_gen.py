@@ -3,9 +3,10 @@
     python tests/serving/vllm_gen.py REQUEST.json OUT.json
 
 REQUEST: ``{"model": dir, "additional_config": {...} | null, "prompts": [str | [token ids]], "max_tokens": n,
-"max_model_len": n, "engine_args": {...}, "alone": bool, "ignore_eos": bool}``. OUT: ``{"token_ids": [[...], ...], "texts": [...],
-"init_s": s, "generate_s": s}``, plus ``"alone_token_ids"`` when ``alone``: each prompt generated again by itself
-after the batch.
+"max_model_len": n, "engine_args": {...}, "alone": bool, "ignore_eos": bool, "logprobs": bool}``. OUT: ``{"token_ids":
+[[...], ...], "texts": [...], "init_s": s, "generate_s": s}``, plus ``"alone_token_ids"`` when ``alone``: each prompt
+generated again by itself after the batch (with vLLM's prefix cache holding it: only its last token is computed),
+and ``"logprobs"`` / ``"alone_logprobs"`` (each sampled token's log-probability) with ``logprobs``.
 Run it from a directory without an ``icecache/`` folder, or the checkout shadows the installed plugin.
 """
 
@@ -14,6 +15,11 @@ from __future__ import annotations
 import json
 import sys
 import time
+
+
+def sampled_logprobs(output) -> list[float]:
+    """The log-probability of each sampled token (vLLM's ``logprobs=0``: the sampled token's only)."""
+    return [step[token].logprob for token, step in zip(output.token_ids, output.logprobs)]
 
 
 def main(req_path: str, out_path: str) -> None:
@@ -27,13 +33,19 @@ def main(req_path: str, out_path: str) -> None:
               seed=0, **kwargs)
     t1 = time.perf_counter()
     prompts = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in req["prompts"]]
-    params = SamplingParams(temperature=0, max_tokens=req["max_tokens"], ignore_eos=req.get("ignore_eos", False))
+    params = SamplingParams(temperature=0, max_tokens=req["max_tokens"], ignore_eos=req.get("ignore_eos", False),
+                            logprobs=0 if req.get("logprobs") else None)
     outs = llm.generate(prompts, params, use_tqdm=False)
     t2 = time.perf_counter()
     res = {"token_ids": [list(o.outputs[0].token_ids) for o in outs], "texts": [o.outputs[0].text for o in outs],
            "init_s": round(t1 - t0, 1), "generate_s": round(t2 - t1, 2)}
+    if req.get("logprobs"):
+        res["logprobs"] = [sampled_logprobs(o.outputs[0]) for o in outs]
     if req.get("alone"):
-        res["alone_token_ids"] = [list(llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids) for p in prompts]
+        alone = [llm.generate([p], params, use_tqdm=False)[0].outputs[0] for p in prompts]
+        res["alone_token_ids"] = [list(o.token_ids) for o in alone]
+        if req.get("logprobs"):
+            res["alone_logprobs"] = [sampled_logprobs(o) for o in alone]
     open(out_path, "w").write(json.dumps(res))
 
 
