@@ -125,8 +125,10 @@ def test_short_prompt_allocates_what_it_holds_not_the_window(tiny_llama):
 
 
 def test_grown_buffers_decode_exactly_like_full_size_buffers(tiny_llama):
-    """Sink, budget and window regions all grow during this decode; every logit is bit-identical to buffers
-    allocated at full size (sink + budget + window) up front, and to buffers sized for the whole generation."""
+    """Sink, budget and window regions all grow during this decode; it decodes the same tokens as buffers
+    allocated at full size (sink + budget + window) up front, and as buffers sized for the whole generation, with
+    logits equal up to float32 rounding. (Bit-identical while the CPU attention summed in float64: the native
+    kernel sums in float32 in slot order, and grown buffers hold the same slots in another order.)"""
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(3, 128, (2, 10), generator=g)
     mask = torch.ones_like(ids)
@@ -141,7 +143,8 @@ def test_grown_buffers_decode_exactly_like_full_size_buffers(tiny_llama):
             runs[name] = (out.sequences, torch.stack(out.logits), cache.layers[1].slots)
     assert runs["full"][2] == 4 + 24 + 16 and runs["grown"][2] == 4 + 24 + 16
     for name in ("grown", "exact"):
-        assert torch.equal(runs[name][0], runs["full"][0]) and torch.equal(runs[name][1], runs["full"][1]), name
+        assert torch.equal(runs[name][0], runs["full"][0]), name
+        torch.testing.assert_close(runs[name][1], runs["full"][1], rtol=1e-5, atol=1e-5 * runs["full"][1].abs().max().item())
 
 
 def test_prompt_plus_new_tokens_past_the_context_warns():
