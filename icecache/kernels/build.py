@@ -39,7 +39,7 @@ ISAS: dict[str, tuple[str, ...]] = {
 }
 COMMON_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-fno-fast-math", "-Wall", "-Wextra")
 #: the dispatcher's parallel calls run on OpenMP when the compiler has it (linked to ``libgomp.so.1``, the runtime
-#: torch's CPU build ships and loads first), else on the library's own thread pool
+#: torch's CPU build ships and loads first), else serially
 OPENMP_FLAGS = ("-fopenmp",)
 
 
@@ -93,7 +93,7 @@ def build(out_dir: Path = OUT_DIR) -> dict[str, object]:
             objs.append(str(obj))
         obj = Path(tmp) / "dispatch.o"
         linked = Path(tmp) / LIBRARY.name
-        openmp = True  # the dispatcher's parallel calls on OpenMP (torch's runtime); else on its own thread pool
+        openmp = True  # the dispatcher's parallel calls on OpenMP (torch's runtime); else serially
         for flags in (OPENMP_FLAGS, ()):
             result = _compile(compiler, SRC / "dispatch.cpp", flags, obj)
             if result.returncode == 0:

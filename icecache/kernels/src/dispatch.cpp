@@ -1,16 +1,13 @@
-// The exported C ABI of libicecache_kernels: the instruction set chosen at run time, a small thread pool, the
+// The exported C ABI of libicecache_kernels: the instruction set chosen at run time, the threads (OpenMP), the
 // top-k selection and the per-layer calls (every KV head of a layer step in one call, the GIL released by ctypes).
 // Compiled for the x86-64 baseline; the arithmetic lives in isa_kernels.cpp.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
-#include <mutex>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "kernels.h"
@@ -60,113 +57,23 @@ const IceIsaKernels& kernels() {
     return *k;
 }
 
-// ---------------------------------------------------------------------------------------------- thread pool
-// Workers sleep on a condition variable between calls; the caller takes units too and never waits for a worker
-// that has not started: a worker joins a call only while it is open, and the caller closes it once every unit is
-// taken, then waits only for the workers inside it. One call at a time: a second caller (another Python thread)
-// runs its units inline instead of waiting.
-class Pool {
-public:
-    ~Pool() {
-        {
-            std::lock_guard<std::mutex> lock(mu_);
-            stop_ = true;
-        }
-        wake_.notify_all();
-        for (auto& t : workers_) t.join();
-    }
-
-    void run(int64_t units, int64_t threads, const std::function<void(int64_t)>& fn) {
-        if (threads <= 1 || units <= 1 || !call_.try_lock()) {
-            for (int64_t u = 0; u < units; ++u) fn(u);
-            return;
-        }
-        std::lock_guard<std::mutex> call(call_, std::adopt_lock);
-        const int64_t helpers = std::min<int64_t>(threads, units) - 1;
-        grow(helpers);
-        {
-            std::lock_guard<std::mutex> lock(mu_);
-            job_ = &fn;
-            units_ = units;
-            next_.store(0);
-            open_ = true;
-            wanted_ = helpers;
-            ++generation_;
-        }
-        wake_.notify_all();
-        drain(fn);
-        std::unique_lock<std::mutex> lock(mu_);
-        open_ = false;  // workers not yet inside stay out
-        done_.wait(lock, [this] { return inside_ == 0; });
-        job_ = nullptr;
-    }
-
-private:
-    void drain(const std::function<void(int64_t)>& fn) {
-        for (int64_t u = next_.fetch_add(1); u < units_; u = next_.fetch_add(1)) fn(u);
-    }
-
-    void grow(int64_t helpers) {
-        while (static_cast<int64_t>(workers_.size()) < helpers) {
-            const int64_t index = static_cast<int64_t>(workers_.size());
-            workers_.emplace_back([this, index] { loop(index); });
-        }
-    }
-
-    void loop(int64_t index) {
-        uint64_t seen = 0;
-        for (;;) {
-            const std::function<void(int64_t)>* job = nullptr;
-            {
-                std::unique_lock<std::mutex> lock(mu_);
-                wake_.wait(lock, [&] { return stop_ || (generation_ != seen && index < wanted_); });
-                if (stop_) return;
-                seen = generation_;
-                if (!open_) continue;  // the caller already took every unit
-                ++inside_;
-                job = job_;
-            }
-            drain(*job);
-            {
-                std::lock_guard<std::mutex> lock(mu_);
-                --inside_;
-            }
-            done_.notify_one();
-        }
-    }
-
-    std::mutex call_;
-    std::mutex mu_;
-    std::condition_variable wake_, done_;
-    std::vector<std::thread> workers_;
-    const std::function<void(int64_t)>* job_ = nullptr;
-    int64_t units_ = 0, inside_ = 0, wanted_ = 0;
-    std::atomic<int64_t> next_{0};
-    uint64_t generation_ = 0;
-    bool open_ = false, stop_ = false;
-};
-
-Pool& pool() {
-    static Pool instance;
-    return instance;
-}
-
-// Run fn(0..units) on up to `threads` threads. Built with OpenMP (the default), on the OpenMP runtime torch itself
-// uses (its libgomp is loaded first, see library.py): the same team of worker threads, already awake after
-// torch's own ops. Without OpenMP, on `Pool` (measured slower inside a model step: its threads compete with
-// torch's spinning OpenMP workers for the cores).
+// ---------------------------------------------------------------------------------------------- threads
+// Run fn(0..units) on up to `threads` threads, on the OpenMP runtime torch itself uses (its libgomp is loaded
+// first, see library.py): the same team of worker threads, already awake after torch's own ops. A private
+// std::thread pool, tried first, was slower inside a model step (its thread competed with torch's spinning
+// OpenMP workers for the cores). Built without OpenMP, or inside a parallel region: serially.
 void parallel_units(int64_t units, int64_t threads, const std::function<void(int64_t)>& fn) {
 #ifdef _OPENMP
-    if (threads <= 1 || units <= 1 || omp_in_parallel()) {
+    if (threads > 1 && units > 1 && !omp_in_parallel()) {
+        const int team = static_cast<int>(std::min(threads, units));
+#pragma omp parallel for schedule(dynamic, 1) num_threads(team)
         for (int64_t u = 0; u < units; ++u) fn(u);
         return;
     }
-    const int team = static_cast<int>(std::min(threads, units));
-#pragma omp parallel for schedule(dynamic, 1) num_threads(team)
-    for (int64_t u = 0; u < units; ++u) fn(u);
 #else
-    pool().run(units, threads, fn);
+    (void)threads;
 #endif
+    for (int64_t u = 0; u < units; ++u) fn(u);
 }
 
 int built_with_openmp() {
@@ -355,7 +262,7 @@ extern "C" {
 
 int ice_abi_version() { return 1; }
 
-// 1 when parallel calls run on OpenMP (torch's runtime), 0 on the library's own thread pool.
+// 1 when parallel calls run on OpenMP (torch's runtime), 0 when they run serially (built without OpenMP).
 int ice_openmp() { return built_with_openmp(); }
 
 const char* ice_isa() { return kernels().name; }
