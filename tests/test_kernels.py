@@ -222,3 +222,51 @@ def test_quest_pages_match_float64_bounds(isa, pages, k, d, g, seed):
         assert all(abs(ref[j] - kth) <= slack for j in set(ids) ^ set(order))
     np.testing.assert_allclose(scores[0, : found[0]], ref[ids], rtol=0, atol=slack)
     assert np.all(np.diff(scores[0, : found[0]]) <= 0)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(n=st.integers(1, 2500), g=st.integers(1, 5), budget=st.integers(1, 400),
+       preset=st.sampled_from(["wide", "icecache", "dci-knn"]), page_score=st.sampled_from(["max", "mass"]),
+       group_beam=st.sampled_from(["shared", "per-query"]), page_size=st.sampled_from([1, 4, 16]),
+       inserted=st.integers(0, 40), d=st.sampled_from([8, 20, 64]), threads=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_mdci_layer_ranking_equals_the_numba_descent(isa, n, g, budget, preset, page_score, group_beam, page_size,
+                                                     inserted, d, threads, seed):
+    """The native M-DCI ranking (dci_rank.cpp) is the numba descent step for step: the same pages in the same order
+    for every preset (one simple index, and dci-knn's 2 x 7 prioritized walk), page score, beam rule and ISA; scores
+    agree to float64 rounding (only the summation order of the float64 dots differs)."""
+    from icecache.indexes.dci_layer import rank_pages_layer
+    from icecache.indexes.mdci import MDCIPager
+
+    rng = np.random.default_rng(seed)
+    trees = []
+    for h in range(3):
+        pager = MDCIPager(d, page_size=page_size, params=preset, page_score=page_score, group_beam=group_beam, seed=h)
+        pager.build(torch.from_numpy(_keys(rng, n, d, 0.5)))
+        for _ in range(inserted):
+            pager.insert(torch.from_numpy(_keys(rng, 1, d, 0.5)), check=False)
+        trees.append(pager.index.tree)
+    queries = rng.standard_normal((3, g, d)).astype(np.float32)
+    native = rank_pages_layer(trees, queries, budget, threads=threads)
+    with library.numba_kernels():
+        reference = rank_pages_layer(trees, queries, budget, threads=1)
+    for (pages, scores), (ref_pages, ref_scores) in zip(native, reference):
+        np.testing.assert_array_equal(pages, ref_pages)
+        np.testing.assert_allclose(scores, ref_scores, rtol=1e-6, atol=1e-6)
+
+
+def test_mdci_pager_selects_alike_head_by_head_and_per_layer():
+    """With the library, a pager's own select and the layer call run the same kernel: identical selections."""
+    from icecache.indexes.mdci import MDCIPager
+
+    rng = np.random.default_rng(5)
+    pagers = []
+    for h in range(3):
+        pager = MDCIPager(64, seed=h)
+        pager.build(torch.from_numpy(_keys(rng, 3000, 64, 0.5)))
+        pagers.append(pager)
+    q = torch.from_numpy(rng.standard_normal((3, 3, 64)).astype(np.float32))
+    layer = MDCIPager.select_layer_positions(pagers, q, 256)
+    for h, pager in enumerate(pagers):
+        pages, indptr, positions, _ = pager.select_arrays(q[h], 256)
+        for x, y in zip(layer[h], (pages, indptr, positions)):
+            np.testing.assert_array_equal(x, y)

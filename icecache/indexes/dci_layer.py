@@ -6,6 +6,12 @@ trip (about 35 unboxed arguments) per tree, and the heads run one after the othe
 every head's `icecache.indexes._dci_kernels.rank_pages` runs inside one call, either in a plain loop or on
 numba's own threads (``prange`` over the heads, ``threads > 1``). Each head has its own scratch set, so the
 result is the head-by-head one, bit for bit, whatever the thread count.
+
+With the native kernels built (`icecache.kernels`), the same ranking runs in ``dci_rank.cpp``: one ctypes call per
+layer (the numba call's ~40 typed arguments per head cost about 120 us a layer) on torch's OpenMP threads, with
+the token scores widened to float64 in SIMD lanes. It is the numba algorithm step for step; only the float64
+summation order differs, so scores agree to ~1e-15 and the pages are the same away from exact ties
+(tests/test_kernels.py).
 """
 
 from __future__ import annotations
@@ -17,8 +23,9 @@ import numpy as np
 from numba import njit, prange
 
 from icecache.indexes import _dci_kernels as kernels
-from icecache.indexes.dci_search import field_of_view, thread_scratch
+from icecache.indexes.dci_search import Scratch, field_of_view, thread_scratch
 from icecache.indexes.dci_tree import DCITree
+from icecache.kernels.library import DCI_DESCRIPTOR_WIDTH, NativeKernels, native_kernels
 
 
 @njit(nogil=True, cache=True)
@@ -97,6 +104,10 @@ def rank_pages_layer(trees: Sequence[DCITree], Q: np.ndarray, budget: int,
     results_per_cluster = max(1, -(-budget // page_size))
     scratches = [thread_scratch(t.capacity, params.num_comp_indices, t.table.id_capacity, Q.shape[1], slot=h)
                  for h, t in enumerate(trees)]
+    native = native_kernels()
+    if native is not None:
+        counts = _native_rank(native, trees, scratches, Q, budget, results_per_cluster, threads)
+        return [(s.out_pages[:k].copy(), s.out_scores[:k].astype(np.float32)) for s, k in zip(scratches, counts.tolist())]
     ntv, ptv, ntr, ptr = params.query.limits("query")
     default_scale = params.score_scale
     counts = np.zeros(heads, np.int64)
@@ -120,6 +131,67 @@ def rank_pages_layer(trees: Sequence[DCITree], Q: np.ndarray, budget: int,
         tuple(s.out_scores for s in scratches), counts,
     )
     return [(s.out_pages[:k].copy(), s.out_scores[:k].astype(np.float32)) for s, k in zip(scratches, counts.tolist())]
+
+
+def _address(array: np.ndarray) -> int:
+    return array.__array_interface__["data"][0]
+
+
+def _scratch_row(scratch: Scratch) -> np.ndarray:
+    """The scratch descriptor row of ``ice_layer_dci_rank_pages`` (cached: a scratch's arrays never change; a grown
+    scratch is a new object)."""
+    row = getattr(scratch, "native_row", None)
+    if row is None:
+        arrays = (scratch.cnt, scratch.cnt_stamp, scratch.cand_stamp, scratch.eval_stamp, scratch.dist, scratch.stamp,
+                  scratch.pool, scratch.gsc, scratch.page_best, scratch.page_stamp, scratch.page_list, scratch.out_pages,
+                  scratch.out_scores)
+        assert all(a.flags.c_contiguous for a in arrays)
+        row = np.zeros(DCI_DESCRIPTOR_WIDTH, np.int64)
+        row[: len(arrays)] = [_address(a) for a in arrays]
+        row[13], row[14] = scratch.cnt.shape[1], scratch.gsc.shape[1]
+        scratch.native_row = row
+    return row
+
+
+def _tree_row(tree: DCITree, held: list) -> np.ndarray:
+    """The tree's descriptor row (addresses and slab sizes; levels and beam are filled per call). Cached on the tree
+    while it still holds the very same array objects: the cache keeps them alive, so an address cannot go stale
+    while it is cached, and an edit that replaces an array (growth, a rebuilt slab) makes a new row."""
+    arrays = (tree.vectors, tree.vectors_run0, tree.run_key, tree.run_id, tree.cluster_start, tree.cluster_size,
+              tree.num_descendants, tree.dirs, tree.table.page_of_, tree.table.sizes_)
+    cached = getattr(tree, "_native_row", None)
+    if cached is not None and all(a is b for a, b in zip(arrays, cached[0])):
+        return cached[1]
+    views = tuple(_c(a) for a in arrays)
+    held.append(views)  # a copy made here (an array that was not contiguous) lives until the call returns
+    assert views[2].shape == views[3].shape and views[1].shape[0] >= views[2].shape[1], "run slabs out of shape"
+    row = np.zeros(DCI_DESCRIPTOR_WIDTH, np.int64)
+    row[:10] = [_address(a) for a in views]
+    row[10], row[11], row[14] = views[2].shape[1], views[7].shape[1], views[9].shape[0]
+    if all(a is b for a, b in zip(arrays, views)):  # no copies: safe to keep
+        tree._native_row = (arrays, row)
+    return row
+
+
+def _native_rank(native: NativeKernels, trees: Sequence[DCITree], scratches: list[Scratch], Q: np.ndarray, budget: int,
+                 results_per_cluster: int, threads: int) -> np.ndarray:
+    """`rank_pages_layer` on the native library: pack each tree's arrays and sizes, call once."""
+    heads = len(trees)
+    params = trees[0].params
+    held = []  # contiguous views (copies only if an array was not): alive until the call returns
+    rows = np.zeros((heads, DCI_DESCRIPTOR_WIDTH), np.int64)
+    reals = np.zeros((heads, 2), np.float64)
+    default_scale = params.score_scale
+    for h, t in enumerate(trees):
+        rows[h] = _tree_row(t, held)
+        rows[h, 12], rows[h, 13] = t.num_levels - 1, field_of_view(t)
+        reals[h] = (math.sqrt(t.msq), default_scale if default_scale is not None else 1.0 / math.sqrt(t.dim))
+    works = np.stack([_scratch_row(s) for s in scratches])
+    ntv, ptv, ntr, ptr = params.query.limits("query")
+    limits = np.array([params.num_comp_indices, params.num_simp_indices, ntv, ntr, results_per_cluster, budget], np.int64)
+    return native.layer_dci_rank_pages(Q, rows, reals, works, limits, np.array([ptv, ptr], np.float64),
+                                       per_query_beam=params.group_beam == "per-query", budget=int(budget),
+                                       mass=params.page_score == "mass", threads=threads)
 
 
 __all__ = ["layer_compatible", "rank_pages_layer"]

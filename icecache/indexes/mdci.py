@@ -24,6 +24,7 @@ from icecache.indexes.dci_decode_insert import insert_one_stored, qualifies
 from icecache.indexes.dci_layer import layer_compatible, rank_pages_layer
 from icecache.indexes.page_scan import layer_rank_pages_exhaustive, rank_pages_exhaustive
 from icecache.indexes.registry import register_pager, unknown_parameter_error
+from icecache.kernels.library import native_kernels
 
 #: how a select ranks the pages (see `MDCIPager`'s ``search``)
 SEARCH_MODES = ("tree", "exhaustive")
@@ -183,6 +184,9 @@ class MDCIPager(SemanticPager):
             q = queries.detach().to(torch.float32).contiguous().numpy()
             return rank_pages_exhaustive(q, tree.vectors, tree.num_points, self.table.page_of_, self.table.id_capacity,
                                          budget, self.select_threads)
+        tree = self.index.tree
+        if native_kernels() is not None and layer_compatible([tree]):  # the layer path's kernel: the same floats
+            return rank_pages_layer([tree], queries.numpy()[None], budget)[0]
         return self.index.rank_pages(queries.numpy(), budget)
 
     @classmethod

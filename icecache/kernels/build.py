@@ -38,6 +38,8 @@ ISAS: dict[str, tuple[str, ...]] = {
     "avx512": ("-DICE_ISA_AVX512", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx2", "-mfma", "-mf16c"),
 }
 COMMON_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-fno-fast-math", "-Wall", "-Wextra")
+#: the sources compiled once, for the x86-64 baseline: the dispatcher (C ABI, threads, top-k) and the DCI search
+BASELINE_SOURCES = ("dispatch.cpp", "dci_rank.cpp")
 #: the dispatcher's parallel calls run on OpenMP when the compiler has it (linked to ``libgomp.so.1``, the runtime
 #: torch's CPU build ships and loads first), else serially
 OPENMP_FLAGS = ("-fopenmp",)
@@ -91,18 +93,25 @@ def build(out_dir: Path = OUT_DIR) -> dict[str, object]:
                 continue
             built.append(isa)
             objs.append(str(obj))
-        obj = Path(tmp) / "dispatch.o"
         linked = Path(tmp) / LIBRARY.name
         openmp = True  # the dispatcher's parallel calls on OpenMP (torch's runtime); else serially
         for flags in (OPENMP_FLAGS, ()):
-            result = _compile(compiler, SRC / "dispatch.cpp", flags, obj)
-            if result.returncode == 0:
-                result = subprocess.run([compiler, "-shared", "-pthread", *flags, "-o", str(linked), *objs, str(obj)],
+            failed, base_objs = "", []
+            for source in BASELINE_SOURCES:
+                obj = Path(tmp) / f"{Path(source).stem}.o"
+                result = _compile(compiler, SRC / source, flags, obj)
+                if result.returncode != 0:
+                    failed = source
+                    break
+                base_objs.append(str(obj))
+            if not failed:
+                result = subprocess.run([compiler, "-shared", "-pthread", *flags, "-o", str(linked), *objs, *base_objs],
                                         capture_output=True, text=True, check=False)
-            if result.returncode == 0:
+                failed = "the link" if result.returncode != 0 else ""
+            if not failed:
                 break
             if not flags:
-                raise RuntimeError(f"{compiler} failed on dispatch.cpp: {_first_error(result.stderr)}")
+                raise RuntimeError(f"{compiler} failed on {failed}: {_first_error(result.stderr)}")
             skipped["openmp"] = _first_error(result.stderr)
             openmp = False
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -28,6 +28,9 @@ import numpy as np
 from icecache.kernels import build
 
 ISA_NAMES = ("generic", "avx2", "avx512")
+ABI_VERSION = 2  # dispatch.cpp's ice_abi_version()
+#: ``ice_layer_dci_rank_pages``: the int64 fields of one head's tree / scratch descriptor row
+DCI_DESCRIPTOR_WIDTH = 16
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 
@@ -57,8 +60,8 @@ class NativeKernels:
 
         lib = ctypes.CDLL(path)
         lib.ice_abi_version.restype = ctypes.c_int
-        if lib.ice_abi_version() != 1:
-            raise KernelError(f"{path}: ABI version {lib.ice_abi_version()}, expected 1 (rebuild: make setup)")
+        if lib.ice_abi_version() != ABI_VERSION:
+            raise KernelError(f"{path}: ABI version {lib.ice_abi_version()}, expected {ABI_VERSION} (rebuild: make setup)")
         lib.ice_isa.restype = ctypes.c_char_p
         lib.ice_openmp.restype = ctypes.c_int
         self.openmp = bool(lib.ice_openmp())
@@ -75,6 +78,9 @@ class NativeKernels:
         lib.ice_layer_top_tokens.restype = None
         lib.ice_layer_attend.argtypes = [_I64, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, ctypes.c_float, _PTR, _I64]
         lib.ice_layer_attend.restype = None
+        lib.ice_layer_dci_rank_pages.argtypes = [_I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, ctypes.c_int, _I64,
+                                                 ctypes.c_int, _PTR, _I64]
+        lib.ice_layer_dci_rank_pages.restype = None
         self._lib = lib
         self.path = path
 
@@ -207,6 +213,28 @@ class NativeKernels:
         self._lib.ice_layer_attend(units, q.ctypes.data, groups, dim, k.ctypes.data, v.ctypes.data, mask.ctypes.data,
                                    k.shape[1], float(scale), out.ctypes.data, max(1, threads))
         return out
+
+    def layer_dci_rank_pages(self, queries: np.ndarray, trees: np.ndarray, tree_reals: np.ndarray, works: np.ndarray,
+                             limits: np.ndarray, props: np.ndarray, *, per_query_beam: bool, budget: int, mass: bool,
+                             threads: int = 1) -> np.ndarray:
+        """The ``mdci`` page ranking of every head in one call (`icecache.indexes.dci_layer.native_rank_pages_layer`
+        packs the arguments; ``dci_rank.cpp`` documents each field). ``queries`` ``[H, g, d]`` float32; ``trees`` /
+        ``works`` ``[H, 16]`` int64 descriptors (array addresses and sizes; the arrays must stay alive during the
+        call); ``tree_reals`` ``[H, 2]`` float64; ``limits`` ``[6]`` int64; ``props`` ``[2]`` float64. Writes each
+        head's ranked pages into its scratch's ``out_pages`` / ``out_scores``; returns how many ``[H]`` int64."""
+        q = _f32(queries, 3)
+        heads, groups, dim = q.shape
+        shapes = ((trees, np.int64, (heads, DCI_DESCRIPTOR_WIDTH)), (works, np.int64, (heads, DCI_DESCRIPTOR_WIDTH)),
+                  (tree_reals, np.float64, (heads, 2)), (limits, np.int64, (6,)), (props, np.float64, (2,)))
+        for array, dtype, shape in shapes:
+            if array.dtype != dtype or array.shape != shape or not array.flags.c_contiguous:
+                raise ValueError(f"dci rank: expected C-contiguous {np.dtype(dtype).name} {shape}, got {array.dtype} {array.shape}")
+        counts = np.zeros(heads, np.int64)
+        self._lib.ice_layer_dci_rank_pages(heads, trees.ctypes.data, tree_reals.ctypes.data, works.ctypes.data,
+                                           limits.ctypes.data, props.ctypes.data, q.ctypes.data, groups, dim,
+                                           int(per_query_beam), int(budget), int(mass), counts.ctypes.data,
+                                           max(1, threads))
+        return counts
 
 
 def _f32(x: np.ndarray, ndim: int) -> np.ndarray:

@@ -258,9 +258,15 @@ constexpr int64_t kMinKeysPerChunk = 2048;
 
 }  // namespace
 
+const IceIsaKernels& ice_active_kernels() { return kernels(); }
+
+void ice_parallel_units(int64_t units, int64_t threads, const std::function<void(int64_t)>& fn) {
+    parallel_units(units, threads, fn);
+}
+
 extern "C" {
 
-int ice_abi_version() { return 1; }
+int ice_abi_version() { return 2; }
 
 // 1 when parallel calls run on OpenMP (torch's runtime), 0 when they run serially (built without OpenMP).
 int ice_openmp() { return built_with_openmp(); }

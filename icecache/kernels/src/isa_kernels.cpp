@@ -109,6 +109,20 @@ void attend_scalar(const float* queries, int64_t groups, int64_t dim, const floa
     }
 }
 
+// The DCI search's token scores in float64, summed in index order.
+[[maybe_unused]] double group_dots_f64_scalar(const float* key, const double* queries, int64_t groups, int64_t dim,
+                                             double* out) {
+    double best = -std::numeric_limits<double>::infinity();
+    for (int64_t g = 0; g < groups; ++g) {
+        const double* q = queries + g * dim;
+        double sum = 0.0;
+        for (int64_t i = 0; i < dim; ++i) sum += static_cast<double>(key[i]) * q[i];
+        out[g] = sum;
+        best = sum > best ? sum : best;
+    }
+    return best;
+}
+
 // float -> IEEE half, round to nearest even (as numpy's astype(float16) and F16C's vcvtps2ph).
 inline uint16_t float_to_half(float f) {
     uint32_t x;
@@ -405,23 +419,63 @@ void attend_isa(const float* queries, int64_t groups, int64_t dim, const float* 
     if (vector_width(dim)) attend_vector(queries, groups, dim, keys, values, valid, slots, scale, out, weights);
     else attend_scalar(queries, groups, dim, keys, values, valid, slots, scale, out, weights);
 }
+// The DCI search's token scores in float64. Per query, two 4-lane accumulators (key floats 0-3 and 4-7 of each
+// chunk of 8, widened), then one lane tree and the scalar tail. Up to four queries share each widened chunk, so
+// their eight accumulator chains run side by side (one query at a time waited on each FMA's latency: 3x slower).
+template <int Queries>
+inline void dots_tile(const float* key, const double* queries, int64_t dim, double* out) {
+    __m256d lo[Queries], hi[Queries];
+    for (int t = 0; t < Queries; ++t) lo[t] = hi[t] = _mm256_setzero_pd();
+    int64_t i = 0;
+    for (; i + 8 <= dim; i += 8) {
+        const __m256 k = _mm256_loadu_ps(key + i);
+        const __m256d klo = _mm256_cvtps_pd(_mm256_castps256_ps128(k));
+        const __m256d khi = _mm256_cvtps_pd(_mm256_extractf128_ps(k, 1));
+        for (int t = 0; t < Queries; ++t) {
+            lo[t] = _mm256_fmadd_pd(klo, _mm256_loadu_pd(queries + t * dim + i), lo[t]);
+            hi[t] = _mm256_fmadd_pd(khi, _mm256_loadu_pd(queries + t * dim + i + 4), hi[t]);
+        }
+    }
+    for (int t = 0; t < Queries; ++t) {
+        const __m256d acc = _mm256_add_pd(lo[t], hi[t]);
+        const __m128d pair = _mm_add_pd(_mm256_castpd256_pd128(acc), _mm256_extractf128_pd(acc, 1));
+        double sum = _mm_cvtsd_f64(_mm_add_sd(pair, _mm_unpackhi_pd(pair, pair)));
+        for (int64_t j = i; j < dim; ++j) sum += static_cast<double>(key[j]) * queries[t * dim + j];
+        out[t] = sum;
+    }
+}
+
+double group_dots_f64_isa(const float* key, const double* queries, int64_t groups, int64_t dim, double* out) {
+    for (int64_t g = 0; g < groups; g += 4) {
+        const double* q = queries + g * dim;
+        switch (std::min<int64_t>(4, groups - g)) {
+            case 4: dots_tile<4>(key, q, dim, out + g); break;
+            case 3: dots_tile<3>(key, q, dim, out + g); break;
+            case 2: dots_tile<2>(key, q, dim, out + g); break;
+            default: dots_tile<1>(key, q, dim, out + g); break;
+        }
+    }
+    double best = -std::numeric_limits<double>::infinity();
+    for (int64_t g = 0; g < groups; ++g) best = out[g] > best ? out[g] : best;
+    return best;
+}
 #endif
 
 }  // namespace
 
 #if defined(ICE_ISA_AVX512)
 extern "C" const IceIsaKernels* ice_kernels_avx512() {
-    static const IceIsaKernels table{"avx512", true, scores_f32_isa, scores_f16_isa, attend_isa, half_errors, to_half_isa, quest_bounds_isa};
+    static const IceIsaKernels table{"avx512", true, scores_f32_isa, scores_f16_isa, attend_isa, half_errors, to_half_isa, quest_bounds_isa, group_dots_f64_isa};
     return &table;
 }
 #elif defined(ICE_ISA_AVX2)
 extern "C" const IceIsaKernels* ice_kernels_avx2() {
-    static const IceIsaKernels table{"avx2", true, scores_f32_isa, scores_f16_isa, attend_isa, half_errors, to_half_isa, quest_bounds_isa};
+    static const IceIsaKernels table{"avx2", true, scores_f32_isa, scores_f16_isa, attend_isa, half_errors, to_half_isa, quest_bounds_isa, group_dots_f64_isa};
     return &table;
 }
 #else
 extern "C" const IceIsaKernels* ice_kernels_generic() {
-    static const IceIsaKernels table{"generic", false, scores_f32_scalar, scores_f16_scalar, attend_scalar, half_errors, to_half_scalar, quest_bounds_scalar};
+    static const IceIsaKernels table{"generic", false, scores_f32_scalar, scores_f16_scalar, attend_scalar, half_errors, to_half_scalar, quest_bounds_scalar, group_dots_f64_scalar};
     return &table;
 }
 #endif

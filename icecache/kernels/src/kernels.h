@@ -26,7 +26,16 @@ struct IceIsaKernels {
     // Quest's page bound: out[p] = max_r sum_c max(q_rc lo[p, c], q_rc hi[p, c]) for p < pages.
     void (*quest_bounds)(const float* queries, int64_t groups, int64_t dim, const float* lo, const float* hi, int64_t pages,
                          float* out);
+    // The DCI search's token score: out[g] = sum_i double(key[i]) * queries[g, i] in float64 (one fixed order per
+    // ISA) for g < groups; returns max_g out[g].
+    double (*group_dots_f64)(const float* key, const double* queries, int64_t groups, int64_t dim, double* out);
 };
+
+#include <functional>
+
+// Shared by the baseline-compiled sources (dispatch.cpp defines them): the ISA table in use and the thread runner.
+const IceIsaKernels& ice_active_kernels();
+void ice_parallel_units(int64_t units, int64_t threads, const std::function<void(int64_t)>& fn);
 
 // Weak: a compiler without an instruction set's flags builds the library without it (the address is then null).
 extern "C" {
