@@ -270,3 +270,58 @@ def test_mdci_pager_selects_alike_head_by_head_and_per_layer():
         pages, indptr, positions, _ = pager.select_arrays(q[h], 256)
         for x, y in zip(layer[h], (pages, indptr, positions)):
             np.testing.assert_array_equal(x, y)
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 1200), inserted=st.integers(1, 80), seed=st.integers(0, 10_000),
+       scale=st.sampled_from([0.5, 1.0, 1.3]), page_size=st.sampled_from([2, 8, 16]), half=st.booleans())
+def test_mdci_layer_insert_equals_the_numba_inserts_head_by_head(n, inserted, seed, scale, page_size, half):
+    """One native insert call per layer row (``dci_insert.cpp``) leaves every tree array, page table and host store
+    as `HeadStore.insert_token` head by head on the numba kernels does (the parent distances to float64 rounding):
+    leaf inserts written straight into the store, full pages, new clusters, and (keys longer than the index's)
+    rekeys."""
+    from icecache.indexes.mdci import MDCIPager
+    from icecache.runtime.store import HeadStore
+
+    dtype = torch.float16 if half else torch.float32
+    rng = np.random.default_rng(seed)
+    base = [_keys(rng, n, 16, 0.3) for _ in range(3)]
+    extra = (rng.standard_normal((inserted, 3, 16)) * scale * np.abs(base[0]).max() / 2).astype(np.float32)
+
+    def grown(native: bool):
+        pagers = [MDCIPager(16, page_size=page_size, seed=h, record_moves=True) for h in range(3)]
+        stores = []
+        for h, pager in enumerate(pagers):
+            pager.table.record_moves = False
+            pager.build(torch.from_numpy(base[h]))
+            pager.table.record_moves = True
+            store = HeadStore(pager.table, 16, dtype)
+            store.load_layout(torch.from_numpy(base[h]).to(dtype), torch.from_numpy(-base[h]).to(dtype))
+            stores.append(store)
+        for i in range(inserted):
+            k32 = torch.from_numpy(extra[i])
+            k, v = k32.to(dtype), (-k32).to(dtype)
+            if native:
+                assert HeadStore.insert_layer_token(pagers, stores, k32, k, v, n + i)
+            else:
+                with library.numba_kernels():
+                    for h in range(3):
+                        stores[h].insert_token(pagers[h], k32[h : h + 1], k[h : h + 1], v[h : h + 1], n + i)
+        return pagers, stores
+
+    (fast, fast_stores), (slow, slow_stores) = grown(True), grown(False)
+    for h in range(3):
+        tf, ts = fast[h].index.tree, slow[h].index.tree
+        assert tf.num_points == ts.num_points == n + inserted and tf.level_counts == ts.level_counts
+        for name in ("vectors", "ext", "proj", "level_of", "parent_of", "num_descendants", "cluster_start",
+                     "cluster_size", "cluster_cap", "run_key", "run_id", "vectors_run0", "schedule_counts",
+                     "schedule_next"):
+            assert np.array_equal(getattr(tf, name), getattr(ts, name)), name
+        # the parent distance is a float64 dot summed in another order (numba's fastmath vectorised sum)
+        np.testing.assert_allclose(tf.parent_dist, ts.parent_dist, rtol=1e-12, atol=1e-12)
+        for name in ("members", "sizes_", "page_of_", "slot_of_"):
+            assert np.array_equal(getattr(fast[h].table, name), getattr(slow[h].table, name)), name
+        assert fast[h].table.journal_is_empty() and len(fast[h]) == len(slow[h]) == n + inserted
+        got, want = fast_stores[h].read(np.arange(n + inserted)), slow_stores[h].read(np.arange(n + inserted))
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert torch.equal(got[0], torch.from_numpy(np.concatenate([base[h], extra[:, h]])).to(dtype))

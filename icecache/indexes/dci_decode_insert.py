@@ -8,6 +8,9 @@ journal. Here one kernel draws the point's level, makes the leaf insert's edits 
 appended to a page that has a host block, writes its K and V into the store's rows itself, journalling nothing.
 Every other case ends exactly where `dci_update` would have taken it (same edits, same journal), so the tree,
 the pages and the store are the same as through `insert` + `HeadStore.sync`.
+
+`insert_layer_stored` does it for every KV head of a layer: with the native kernels built, one call
+(``dci_insert.cpp``, the kernel step for step) instead of one compiled call of ~37 typed arguments per head.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from numba import njit
 
 from icecache.indexes import _dci_edit_kernels as edit_kernels
 from icecache.indexes import dci_update
-from icecache.indexes.dci_tree import DCITree
+from icecache.indexes.dci_tree import DCITree, _schedule_cap
+from icecache.kernels.library import INSERT_DESCRIPTOR_WIDTH, native_kernels
 
 #: `_leaf_stored` outcomes beyond `dci_update`'s (`LEAF_DONE` = appended, but the page has no host block)
 LEAF_STORED, NOT_A_LEAF = 3, 4
@@ -87,4 +91,86 @@ def insert_one_stored(tree: DCITree, vector: np.ndarray, rows: np.ndarray, block
     return stored
 
 
-__all__ = ["insert_one_stored", "qualifies"]
+def _address(array: np.ndarray) -> int:
+    return array.__array_interface__["data"][0]
+
+
+def _tree_arrays(tree: DCITree, rows: np.ndarray, block_of: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The arrays `ice_layer_dci_leaf_insert` reads and writes, in descriptor order (see `_descriptor`)."""
+    table = tree.table
+    assert table is not None
+    return (tree.schedule_counts, tree.schedule_next, tree.level_ids[1], tree.level1_vectors, tree.level1_ext,
+            tree.vectors, tree.ext, tree.proj, tree.dirs, tree.level_of, tree.parent_of, tree.parent_dist,
+            tree.num_descendants, tree.cluster_start, tree.cluster_size, tree.cluster_cap, tree.run_key, tree.run_id,
+            tree.vectors_run0, table.page_of_, table.slot_of_, table.members, table.sizes_, rows, block_of)
+
+
+def _descriptor(tree: DCITree, rows: np.ndarray, block_of: np.ndarray) -> np.ndarray:
+    """One head's descriptor row with the point's id and level 1's size still to fill (fields 4 and 6). Cached on the
+    tree while it holds the very same arrays (the cache keeps them alive, so no address goes stale while cached); an
+    array that grew or was rebuilt is a new object, and makes a new row."""
+    arrays = _tree_arrays(tree, rows, block_of)
+    cached = getattr(tree, "_native_insert_row", None)
+    if cached is not None and len(cached[0]) == len(arrays) and all(a is b for a, b in zip(arrays, cached[0])):
+        return cached[1]
+    assert all(a.flags.c_contiguous for a in arrays), "a tree array is not contiguous"
+    (counts, nxt, upper, upper_x, upper_ext, X, ext, proj, dirs, level_of, parent_of, parent_dist, num_desc, cl_start,
+     cl_size, cl_cap, run_key, run_id, Xr, page_of, slot_of, members, sizes, _, _) = arrays
+    table = tree.table
+    assert table is not None and members.shape[1] == table.page_size and proj.shape[1] == dirs.shape[0]
+    p0, p1 = float(tree.params.p0), float(tree.params.p1)
+    row = np.array([
+        _address(counts), _address(nxt), _schedule_cap(p0), _schedule_cap(p1), 0, _address(upper), 0,
+        _address(upper_x), _address(upper_ext), _address(X), _address(ext), _address(proj), _address(dirs),
+        dirs.shape[0], dirs.shape[1], _address(level_of), _address(parent_of), _address(parent_dist),
+        _address(num_desc), _address(cl_start), _address(cl_size), _address(cl_cap), _address(run_key),
+        _address(run_id), run_key.shape[1], _address(Xr), _address(page_of), _address(slot_of), _address(members),
+        _address(sizes), table.page_size, _address(rows), _address(block_of), block_of.shape[0],
+    ], np.int64)
+    assert row.shape == (INSERT_DESCRIPTOR_WIDTH,)
+    tree._native_insert_row = (arrays, row)
+    return row
+
+
+def insert_layer_stored(trees: list[DCITree], keys: np.ndarray, rows: list[np.ndarray], block_ofs: list[np.ndarray],
+                        new_k: np.ndarray, new_v: np.ndarray) -> list[bool]:
+    """`insert_one_stored` of ``keys[h]`` (``[H, d]`` float32, C-contiguous) into ``trees[h]`` for every head, each
+    with its store's ``rows[h]`` / ``block_ofs[h]`` and K/V ``new_k[h]`` / ``new_v[h]`` (``[H, hd]``, the stores'
+    raw dtype). Every tree must `qualify <qualifies>`. One native call for all heads (numba, head by head, without
+    the library). The trees, pages and stores end as through `insert_one_stored` head by head; returns its result
+    per head."""
+    native = native_kernels()
+    if native is None:
+        return [insert_one_stored(trees[h], keys[h], rows[h], block_ofs[h], new_k[h], new_v[h]) for h in range(len(trees))]
+    fast = list(range(len(trees)))
+    stored = [False] * len(trees)
+    sq_norms = (keys.astype(np.float64) ** 2).sum(axis=1)  # per row as `insert_one_stored` sums it
+    desc = np.empty((len(fast), INSERT_DESCRIPTOR_WIDTH), np.int64)
+    reals = np.empty((len(fast), 4), np.float64)
+    points = []
+    for i, h in enumerate(fast):
+        tree = trees[h]
+        tree.level1_packed()  # bring level 1's packed copy up to date (it may grow)
+        point = tree.num_points
+        tree.grow(point + 1)
+        tree.table.reserve_positions(point + 1)
+        desc[i] = _descriptor(tree, rows[h], block_ofs[h])
+        desc[i, 4], desc[i, 6] = point, tree.level_counts[1]
+        reals[i] = (tree.params.p0, tree.params.p1, sq_norms[i], tree.msq)
+        points.append(point)
+    out = native.layer_dci_leaf_insert(desc, reals, np.ascontiguousarray(keys), np.ascontiguousarray(new_k),
+                                       np.ascontiguousarray(new_v))
+    for i, h in enumerate(fast):
+        tree, point = trees[h], points[i]
+        status, level, new_top, parent, page, slot, neighbour = out[i].tolist()
+        if status == NOT_A_LEAF:
+            dci_update._insert_one(tree, keys[h], float(sq_norms[i]), int(level), bool(new_top))
+            continue
+        tree.num_points = point + 1
+        stored[h] = status == LEAF_STORED
+        dci_update.finish_leaf(tree, status if not stored[h] else dci_update.LEAF_DONE, point, parent, page, slot,
+                               neighbour, journal=not stored[h])
+    return stored
+
+
+__all__ = ["insert_layer_stored", "insert_one_stored", "qualifies"]

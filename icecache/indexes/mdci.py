@@ -20,7 +20,7 @@ import torch
 from icecache.core.errors import ConfigError
 from icecache.core.pager import SemanticPager
 from icecache.indexes.dci import DCIIndex, DCIParams, SearchConfig
-from icecache.indexes.dci_decode_insert import insert_one_stored, qualifies
+from icecache.indexes.dci_decode_insert import insert_layer_stored, insert_one_stored, qualifies
 from icecache.indexes.dci_layer import layer_compatible, rank_pages_layer
 from icecache.indexes.page_scan import layer_rank_pages_exhaustive, rank_pages_exhaustive
 from icecache.indexes.registry import register_pager, unknown_parameter_error
@@ -176,6 +176,36 @@ class MDCIPager(SemanticPager):
             return super().insert_one_stored(key, rows, block_of, new_k, new_v)
         stored = insert_one_stored(tree, key, rows, block_of, new_k, new_v)
         self._n += 1
+        return stored
+
+    @classmethod
+    def insert_layer_stored(cls, pagers: Sequence[SemanticPager], keys: np.ndarray, rows: list[np.ndarray],
+                            block_ofs: list[np.ndarray], new_k: np.ndarray, new_v: np.ndarray) -> list[bool]:
+        """`insert_one_stored` for every pager of a layer row at once: ``keys`` ``[H, d]`` (finite, C-contiguous
+        float32; unchecked), each pager's store ``rows[h]`` / ``block_ofs[h]`` and K/V ``new_k[h]`` / ``new_v[h]``
+        (``[H, head_dim]``, the stores' raw dtype). The heads whose tree `qualifies` go through one call
+        (`icecache.indexes.dci_decode_insert.insert_layer_stored`), the others one by one. Returns, per head,
+        whether the store was written (False: replay the table's journal)."""
+        heads = cast(list[MDCIPager], list(pagers))
+        trees = [p.index.tree for p in heads]
+        for pager, tree in zip(heads, trees):
+            if pager._n != tree.num_points:
+                raise RuntimeError(f"mdci: position {pager._n} != index size {tree.num_points} (internal bug)")
+        fast = [h for h, tree in enumerate(trees) if qualifies(tree)]
+        stored = [False] * len(heads)
+        if len(fast) == len(heads):  # the usual case: no copies
+            done = insert_layer_stored(trees, np.ascontiguousarray(keys), rows, block_ofs, np.ascontiguousarray(new_k),
+                                       np.ascontiguousarray(new_v))
+        elif fast:
+            done = insert_layer_stored([trees[h] for h in fast], np.ascontiguousarray(keys[fast]), [rows[h] for h in fast],
+                                       [block_ofs[h] for h in fast], new_k[fast], new_v[fast])
+        if fast:
+            for h, ok in zip(fast, done):
+                stored[h] = ok
+                heads[h]._n += 1
+        for h in range(len(heads)):
+            if h not in fast:
+                stored[h] = heads[h].insert_one_stored(keys[h], rows[h], block_ofs[h], new_k[h], new_v[h])
         return stored
 
     def _rank_pages(self, queries: torch.Tensor, budget: int) -> tuple[np.ndarray, np.ndarray]:

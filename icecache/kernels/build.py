@@ -38,8 +38,9 @@ ISAS: dict[str, tuple[str, ...]] = {
     "avx512": ("-DICE_ISA_AVX512", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx2", "-mfma", "-mf16c"),
 }
 COMMON_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-fno-fast-math", "-Wall", "-Wextra")
-#: the sources compiled once, for the x86-64 baseline: the dispatcher (C ABI, threads, top-k) and the DCI search
-BASELINE_SOURCES = ("dispatch.cpp", "dci_rank.cpp")
+#: the sources compiled once, for the x86-64 baseline: the dispatcher (C ABI, threads, top-k), the DCI search and
+#: decode insert, and the layer's bulk load
+BASELINE_SOURCES = ("dispatch.cpp", "dci_rank.cpp", "dci_insert.cpp", "layer_load.cpp")
 #: the dispatcher's parallel calls run on OpenMP when the compiler has it (linked to ``libgomp.so.1``, the runtime
 #: torch's CPU build ships and loads first), else serially
 OPENMP_FLAGS = ("-fopenmp",)

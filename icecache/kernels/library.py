@@ -31,6 +31,10 @@ ISA_NAMES = ("generic", "avx2", "avx512")
 ABI_VERSION = 2  # dispatch.cpp's ice_abi_version()
 #: ``ice_layer_dci_rank_pages``: the int64 fields of one head's tree / scratch descriptor row
 DCI_DESCRIPTOR_WIDTH = 16
+#: ``ice_layer_load``: the int64 fields of one (row, KV head) unit's descriptor row
+LOAD_DESCRIPTOR_WIDTH = 14
+#: ``ice_layer_dci_leaf_insert``: the int64 fields of one head's descriptor row
+INSERT_DESCRIPTOR_WIDTH = 34
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 
@@ -81,6 +85,10 @@ class NativeKernels:
         lib.ice_layer_dci_rank_pages.argtypes = [_I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, ctypes.c_int, _I64,
                                                  ctypes.c_int, _PTR, _I64]
         lib.ice_layer_dci_rank_pages.restype = None
+        lib.ice_layer_load.argtypes = [_I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR]
+        lib.ice_layer_load.restype = _I64
+        lib.ice_layer_dci_leaf_insert.argtypes = [_I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _PTR]
+        lib.ice_layer_dci_leaf_insert.restype = None
         self._lib = lib
         self.path = path
 
@@ -235,6 +243,53 @@ class NativeKernels:
                                            int(per_query_beam), int(budget), int(mass), counts.ctypes.data,
                                            max(1, threads))
         return counts
+
+    def layer_load(self, units: np.ndarray, slot_pos: np.ndarray, keys: np.ndarray, values: np.ndarray, valid: np.ndarray,
+                   region_start: int) -> tuple[int, np.ndarray]:
+        """The CPU bulk load of one layer step (`icecache.runtime.loader.BulkLoader` packs ``units``, ``[U, 14]``
+        int64 descriptors; ``layer_load.cpp`` documents the fields; the arrays they address must stay alive).
+        ``slot_pos`` ``[U, budget]`` int64 (updated); ``keys`` / ``values`` ``[U, slots, dim]`` and ``valid``
+        ``[U, slots]`` (bool) numpy views of the layer's buffers, written in place. Returns ``(code, stats [U, 3])``:
+        code 0, ``-1 - u`` (unit u's selection exceeds the budget) or ``-1000000 - u`` (a position of unit u has no
+        host row); stats = (pages selected, pages reused, rows copied) per unit."""
+        n_units, budget = slot_pos.shape
+        if units.dtype != np.int64 or units.shape != (n_units, LOAD_DESCRIPTOR_WIDTH) or not units.flags.c_contiguous:
+            raise ValueError(f"layer load: units must be C-contiguous int64 [{n_units}, {LOAD_DESCRIPTOR_WIDTH}]")
+        if (slot_pos.dtype != np.int64 or not slot_pos.flags.c_contiguous or keys.shape != values.shape
+                or keys.dtype != values.dtype or keys.ndim != 3 or keys.shape[0] != n_units or valid.shape != keys.shape[:2]
+                or valid.dtype != np.bool_ or not (keys.flags.c_contiguous and values.flags.c_contiguous and valid.flags.c_contiguous)):
+            raise ValueError(f"layer load: slot_pos {slot_pos.dtype} {slot_pos.shape}, keys {keys.dtype} {keys.shape}, "
+                             f"values {values.shape}, valid {valid.dtype} {valid.shape}")
+        slots, dim = keys.shape[1], keys.shape[2]
+        if not 0 <= region_start <= slots - budget:
+            raise ValueError(f"layer load: budget region [{region_start}, {region_start + budget}) outside {slots} slots")
+        stats = np.zeros((n_units, 3), np.int64)
+        code = self._lib.ice_layer_load(n_units, units.ctypes.data, slot_pos.ctypes.data, budget, keys.ctypes.data,
+                                        values.ctypes.data, valid.ctypes.data, slots, region_start, dim,
+                                        keys.dtype.itemsize, stats.ctypes.data)
+        return int(code), stats
+
+    def layer_dci_leaf_insert(self, desc: np.ndarray, reals: np.ndarray, keys: np.ndarray, new_k: np.ndarray,
+                              new_v: np.ndarray) -> np.ndarray:
+        """The ``mdci`` decode insert of one key per head (`icecache.indexes.dci_decode_insert.insert_layer_stored`
+        packs ``desc`` ``[H, 34]`` int64, ``dci_insert.cpp`` documents the fields; the arrays they address must stay
+        alive and have room for the point). ``reals`` ``[H, 4]`` float64; ``keys`` ``[H, d]`` float32; ``new_k`` /
+        ``new_v`` ``[H, hd]`` in the host store's raw dtype. Returns ``[H, 7]`` int64: ``(status, level, new_top,
+        parent, page, slot, neighbour)`` per head, as `_leaf_stored` returns them."""
+        q = _f32(keys, 2)
+        heads, dim = q.shape
+        if desc.dtype != np.int64 or desc.shape != (heads, INSERT_DESCRIPTOR_WIDTH) or not desc.flags.c_contiguous:
+            raise ValueError(f"leaf insert: desc must be C-contiguous int64 [{heads}, {INSERT_DESCRIPTOR_WIDTH}]")
+        if reals.dtype != np.float64 or reals.shape != (heads, 4) or not reals.flags.c_contiguous:
+            raise ValueError(f"leaf insert: reals must be C-contiguous float64 [{heads}, 4]")
+        if (new_k.shape != new_v.shape or new_k.dtype != new_v.dtype or new_k.ndim != 2 or new_k.shape[0] != heads
+                or not (new_k.flags.c_contiguous and new_v.flags.c_contiguous)):
+            raise ValueError(f"leaf insert: new K/V {new_k.dtype} {new_k.shape} / {new_v.shape}, expected [{heads}, hd]")
+        out = np.zeros((heads, 7), np.int64)
+        self._lib.ice_layer_dci_leaf_insert(heads, desc.ctypes.data, reals.ctypes.data, q.ctypes.data, dim,
+                                            new_k.ctypes.data, new_v.ctypes.data, new_k.shape[1] * new_k.itemsize,
+                                            out.ctypes.data)
+        return out
 
 
 def _f32(x: np.ndarray, ndim: int) -> np.ndarray:

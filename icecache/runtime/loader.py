@@ -22,7 +22,8 @@ import torch
 from numba import njit
 
 from icecache.core.capacity import grown_capacity
-from icecache.runtime.store import HeadStore
+from icecache.kernels.library import LOAD_DESCRIPTOR_WIDTH, NativeKernels, native_kernels
+from icecache.runtime.store import HeadStore, raw_numpy
 from icecache.runtime.timing import StageTimer
 
 
@@ -96,6 +97,10 @@ def _copy_rows(src, rows, dst_k, dst_v, dst_rows):
 
 
 _NO_INDPTR = np.zeros(0, np.int64)
+
+
+def _address(array: np.ndarray) -> int:
+    return array.__array_interface__["data"][0]
 #: Dtypes the CPU direct path copies with `_copy_rows` (numpy has no bfloat16: those go through torch).
 _DIRECT_DTYPES = (torch.float32, torch.float16, torch.float64)
 
@@ -169,8 +174,11 @@ class BulkLoader:
         # scatter pass); the flat numpy views are taken once per buffer.
         self.direct = self.device.type == "cpu" and buf_k.dtype in _DIRECT_DTYPES
         if self.direct:
-            self._flat_k = buf_k.view(-1, D).numpy()
-            self._flat_v = buf_v.view(-1, D).numpy()
+            self._flat_k = raw_numpy(buf_k.view(-1, D))  # 16-bit floats as their bits: numba copies int16
+            self._flat_v = raw_numpy(buf_v.view(-1, D))
+            self._units_k = buf_k.view(B * H, L, D).numpy()  # the native load's views (`_load_native`)
+            self._units_v = buf_v.view(B * H, L, D).numpy()
+            self._units_valid = buf_valid.view(B * H, L).numpy()
 
     def load(
         self,
@@ -183,6 +191,9 @@ class BulkLoader:
 
         ``indptrs[b][h]`` (CSR page offsets of those positions, or None) is only used to count page reuse.
         """
+        native = native_kernels() if self.direct else None
+        if native is not None:
+            return self._load_native(native, stores, positions, indptrs, timer)
         B, H, budget = self.B, self.H, self.budget
         srcs: list[tuple[HeadStore, np.ndarray, int]] = []  # (store, flat indices, staging offset)
         dst_rows: list[np.ndarray] = []
@@ -195,11 +206,7 @@ class BulkLoader:
                 for h in range(H):
                     pos = positions[b][h]
                     n_sel += len(pos)
-                    sop = self._slot_of_pos[b][h]
-                    if len(pos) and pos.max() >= len(sop):
-                        grown = np.full(grown_capacity(int(pos.max()) + 1, len(sop)), -1, dtype=np.int64)
-                        grown[: len(sop)] = sop
-                        sop = self._slot_of_pos[b][h] = grown
+                    sop = self._slot_map(b, h, pos)
                     ip = indptrs[b][h]
                     new, slots, head_sel, head_reused = _assign_slots(
                         np.ascontiguousarray(pos, dtype=np.int64), sop, self.slot_pos[b, h],
@@ -254,7 +261,7 @@ class BulkLoader:
         transfer still counts as the layer step's one copy when tokens moved (host and device are one memory)."""
         with timer.stage("gather"):
             for (store, idx, _), dst in zip(srcs, dst_rows):
-                _copy_rows(store.flat_view().numpy(), idx, self._flat_k, self._flat_v, dst)
+                _copy_rows(store.raw_rows(), idx, self._flat_k, self._flat_v, dst)
         with timer.stage("copy"):
             pass  # host and device are one memory: the layer step's transfer moves nothing (timed as the staged path)
         with timer.stage("scatter"):
@@ -263,6 +270,62 @@ class BulkLoader:
             tokens_selected=n_sel, tokens_copied=n_new, bytes_copied=n_new * 2 * self.D * self.buf_k.element_size(),
             copies=int(n_new > 0), pages_selected=pages_sel, pages_reused=pages_reused, per_head=per_head,
         )
+
+    def _load_native(self, native: NativeKernels, stores: list[list[HeadStore]], positions: list[list[np.ndarray]],
+                     indptrs: list[list[np.ndarray | None]], timer: StageTimer) -> LoadReport:
+        """`load`'s CPU path in one native call (``layer_load.cpp``): every head's residency update, row copies from
+        its store into the budget slots, and the slots' mask, as the numba path makes them. The call is timed as
+        ``gather``; packing the heads' arrays as ``other``."""
+        B, H, budget = self.B, self.H, self.budget
+        with timer.stage("other"):
+            units = np.zeros((B * H, LOAD_DESCRIPTOR_WIDTH), np.int64)
+            held = []  # contiguous copies the descriptors address: alive until the call returns
+            n_sel = 0
+            for b in range(B):
+                for h in range(H):
+                    pos = np.ascontiguousarray(positions[b][h], dtype=np.int64)
+                    n_sel += len(pos)
+                    sop = self._slot_map(b, h, pos)
+                    ip = indptrs[b][h]
+                    ip = None if ip is None else np.ascontiguousarray(ip, dtype=np.int64)
+                    store = stores[b][h]
+                    raw = store.raw_rows()
+                    table = store.table
+                    assert raw.itemsize == self._units_k.itemsize and raw.flags.c_contiguous, "store and buffers differ"
+                    held.append((pos, ip))
+                    units[b * H + h] = (
+                        _address(pos), len(pos), 0 if ip is None else _address(ip), 0 if ip is None else len(ip),
+                        _address(sop), len(sop), _address(raw), raw.shape[0], _address(table.page_of_),
+                        len(table.page_of_), _address(table.slot_of_), _address(store.block_of), len(store.block_of),
+                        store.page_size)
+        with timer.stage("gather"):
+            slot_pos = self.slot_pos.reshape(B * H, budget)
+            assert slot_pos.size == 0 or np.may_share_memory(slot_pos, self.slot_pos), "slot map copied: updates lost"
+            code, stats = native.layer_load(units, slot_pos, self._units_k, self._units_v, self._units_valid,
+                                            self.region_start)
+        if code <= -1_000_000:
+            raise AssertionError("position not in the host store")
+        if code < 0:
+            u = -1 - code
+            raise AssertionError(f"selection of {len(positions[u // H][u % H])} tokens larger than the budget ({budget})")
+        n_new = int(stats[:, 2].sum())
+        per_head = [(u // H, u % H, int(sel), int(reused), int(copied)) for u, (sel, reused, copied) in enumerate(stats.tolist())]
+        with timer.stage("copy"):
+            pass  # host and device are one memory (see `_load_direct`)
+        return LoadReport(
+            tokens_selected=n_sel, tokens_copied=n_new, bytes_copied=n_new * 2 * self.D * self.buf_k.element_size(),
+            copies=int(n_new > 0), pages_selected=int(stats[:, 0].sum()), pages_reused=int(stats[:, 1].sum()),
+            per_head=per_head,
+        )
+
+    def _slot_map(self, b: int, h: int, pos: np.ndarray) -> np.ndarray:
+        """(row ``b``, head ``h``)'s position -> slot map, grown to hold every position of ``pos``."""
+        sop = self._slot_of_pos[b][h]
+        if len(pos) and pos.max() >= len(sop):
+            grown = np.full(grown_capacity(int(pos.max()) + 1, len(sop)), -1, dtype=np.int64)
+            grown[: len(sop)] = sop
+            sop = self._slot_of_pos[b][h] = grown
+        return sop
 
     def resident_positions(self, b: int, h: int) -> np.ndarray:
         """Host positions currently held in the budget slots of (row, head), sorted."""

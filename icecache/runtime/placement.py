@@ -268,11 +268,15 @@ class TokenPlacement:
             if skip >= n:
                 continue
             local = first + skip - start
+            for pager in self.pagers[b]:
+                assert len(pager) == local, "pager positions out of step with the sequence"
+            if n - skip == 1 and HeadStore.insert_layer_token(self.pagers[b], self.stores[b], keys32[b, :, skip],
+                                                              kc[b, :, skip], vc[b, :, skip], local):
+                continue  # every head in one pager call (mdci)
             # one view per KV head, made in one call each (indexing per head costs ~1 us a time)
             heads = zip(self.pagers[b], self.stores[b], keys32[b, :, skip:].unbind(0), kc[b, :, skip:].unbind(0),
                         vc[b, :, skip:].unbind(0))
             for pager, store, key32, key, value in heads:
-                assert len(pager) == local, "pager positions out of step with the sequence"
                 store.insert_tokens(pager, key32, key, value, local)
 
     def next_leaving(self) -> int | None:

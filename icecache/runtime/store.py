@@ -171,6 +171,27 @@ class HeadStore:
         pager.insert(keys32, check=False)
         self.sync(self.table.take_journal(), keys, values, first_new=first_position)
 
+    @staticmethod
+    def insert_layer_token(pagers: list[SemanticPager], stores: list[HeadStore], keys32: torch.Tensor, keys: torch.Tensor,
+                           values: torch.Tensor, position: int) -> bool:
+        """`insert_token` of one position for every KV head of a layer row in one pager call, where the pagers'
+        class offers it (``insert_layer_stored``: ``mdci``): ``keys32`` ``[H, head_dim]`` finite float32, K/V
+        ``keys`` / ``values`` ``[H, head_dim]``. The stores end as through `insert_token` head by head. Returns
+        False (nothing done) when the class has no layer insert."""
+        cls = type(pagers[0])
+        layer_insert = getattr(cls, "insert_layer_stored", None)
+        if layer_insert is None or not cls.stores_inserts or any(type(p) is not cls for p in pagers):
+            return False
+        for pager, store in zip(pagers, stores):
+            assert pager.table is store.table, "a store follows its own pager's table"
+        first = stores[0]
+        stored = layer_insert(pagers, keys32.numpy(), [s.raw_rows() for s in stores], [s.block_of for s in stores],
+                              first.raw_new(keys), first.raw_new(values))
+        for h, ok in enumerate(stored):
+            if not ok:
+                stores[h].sync(stores[h].table.take_journal(), keys[h : h + 1], values[h : h + 1], first_new=position)
+        return True
+
     def load_layout(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Fill an empty store from the table's current layout in one pass: positions ``0..n-1`` take
         ``keys[i]`` / ``values[i]`` (``[n, head_dim]``), one block per live page. The result is what replaying
