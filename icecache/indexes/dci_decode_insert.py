@@ -20,7 +20,7 @@ from numba import njit
 
 from icecache.indexes import _dci_edit_kernels as edit_kernels
 from icecache.indexes import dci_update
-from icecache.indexes.dci_tree import DCITree, _schedule_cap
+from icecache.indexes.dci_tree import DCITree
 from icecache.kernels.library import INSERT_DESCRIPTOR_WIDTH, native_kernels
 
 #: `_leaf_stored` outcomes beyond `dci_update`'s (`LEAF_DONE` = appended, but the page has no host block)
@@ -118,9 +118,9 @@ def _descriptor(tree: DCITree, rows: np.ndarray, block_of: np.ndarray) -> np.nda
      cl_size, cl_cap, run_key, run_id, Xr, page_of, slot_of, members, sizes, _, _) = arrays
     table = tree.table
     assert table is not None and members.shape[1] == table.page_size and proj.shape[1] == dirs.shape[0]
-    p0, p1 = float(tree.params.p0), float(tree.params.p1)
+    cap0, cap1 = tree.schedule_args()[4:]
     row = np.array([
-        _address(counts), _address(nxt), _schedule_cap(p0), _schedule_cap(p1), 0, _address(upper), 0,
+        _address(counts), _address(nxt), cap0, cap1, 0, _address(upper), 0,
         _address(upper_x), _address(upper_ext), _address(X), _address(ext), _address(proj), _address(dirs),
         dirs.shape[0], dirs.shape[1], _address(level_of), _address(parent_of), _address(parent_dist),
         _address(num_desc), _address(cl_start), _address(cl_size), _address(cl_cap), _address(run_key),
