@@ -101,6 +101,7 @@ def test_snapkv_keeps_what_an_independent_snapkv_keeps(name, obs, kernel):
     ids = torch.randint(3, 128, (1, T), generator=torch.Generator().manual_seed(8))
     cfg = IceCacheConfig(budget=B, page_size=4, sink=S, window=W, dense_layers=(0,))
     cache = get_method(name).cache(model, run_prefill(model, ids, obs_window=W), cfg)
+    cache.workers.wait_all()  # the pagers are built on the index workers (a busy machine once read them empty)
     previous = model.config._attn_implementation
     model.set_attn_implementation("eager")
     try:

@@ -205,7 +205,8 @@ class MDCIPager(SemanticPager):
                 heads[h]._n += 1
         for h in range(len(heads)):
             if h not in fast:
-                stored[h] = heads[h].insert_one_stored(keys[h], rows[h], block_ofs[h], new_k[h], new_v[h])
+                # through the class: an instance's own (possibly wrapped, e.g. timed) method is not this call
+                stored[h] = type(heads[h]).insert_one_stored(heads[h], keys[h], rows[h], block_ofs[h], new_k[h], new_v[h])
         return stored
 
     def _rank_pages(self, queries: torch.Tensor, budget: int) -> tuple[np.ndarray, np.ndarray]:

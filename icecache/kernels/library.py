@@ -85,7 +85,7 @@ class NativeKernels:
         lib.ice_layer_dci_rank_pages.argtypes = [_I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, ctypes.c_int, _I64,
                                                  ctypes.c_int, _PTR, _I64]
         lib.ice_layer_dci_rank_pages.restype = None
-        lib.ice_layer_load.argtypes = [_I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR]
+        lib.ice_layer_load.argtypes = [_I64, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR]
         lib.ice_layer_load.restype = _I64
         lib.ice_layer_dci_leaf_insert.argtypes = [_I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _PTR]
         lib.ice_layer_dci_leaf_insert.restype = None
@@ -244,29 +244,29 @@ class NativeKernels:
                                            max(1, threads))
         return counts
 
-    def layer_load(self, units: np.ndarray, slot_pos: np.ndarray, keys: np.ndarray, values: np.ndarray, valid: np.ndarray,
+    def layer_load(self, units: np.ndarray, slot_pos: np.ndarray, keys: np.ndarray, values: np.ndarray,
                    region_start: int) -> tuple[int, np.ndarray]:
         """The CPU bulk load of one layer step (`icecache.runtime.loader.BulkLoader` packs ``units``, ``[U, 14]``
         int64 descriptors; ``layer_load.cpp`` documents the fields; the arrays they address must stay alive).
-        ``slot_pos`` ``[U, budget]`` int64 (updated); ``keys`` / ``values`` ``[U, slots, dim]`` and ``valid``
-        ``[U, slots]`` (bool) numpy views of the layer's buffers, written in place. Returns ``(code, stats [U, 3])``:
-        code 0, ``-1 - u`` (unit u's selection exceeds the budget) or ``-1000000 - u`` (a position of unit u has no
-        host row); stats = (pages selected, pages reused, rows copied) per unit."""
+        ``slot_pos`` ``[U, budget]`` int64 (updated); ``keys`` / ``values`` ``[U, slots, dim]`` numpy views of the
+        layer's buffers, written in place (the slots' mask is the caller's). Returns ``(code, stats [U, 3])``: code
+        0, ``-1 - u`` (unit u's selection exceeds the budget) or ``-1000000 - u`` (a position of unit u has no host
+        row); stats = (pages selected, pages reused, rows copied) per unit."""
         n_units, budget = slot_pos.shape
         if units.dtype != np.int64 or units.shape != (n_units, LOAD_DESCRIPTOR_WIDTH) or not units.flags.c_contiguous:
             raise ValueError(f"layer load: units must be C-contiguous int64 [{n_units}, {LOAD_DESCRIPTOR_WIDTH}]")
         if (slot_pos.dtype != np.int64 or not slot_pos.flags.c_contiguous or keys.shape != values.shape
-                or keys.dtype != values.dtype or keys.ndim != 3 or keys.shape[0] != n_units or valid.shape != keys.shape[:2]
-                or valid.dtype != np.bool_ or not (keys.flags.c_contiguous and values.flags.c_contiguous and valid.flags.c_contiguous)):
+                or keys.dtype != values.dtype or keys.ndim != 3 or keys.shape[0] != n_units
+                or not (keys.flags.c_contiguous and values.flags.c_contiguous)):
             raise ValueError(f"layer load: slot_pos {slot_pos.dtype} {slot_pos.shape}, keys {keys.dtype} {keys.shape}, "
-                             f"values {values.shape}, valid {valid.dtype} {valid.shape}")
+                             f"values {values.shape}")
         slots, dim = keys.shape[1], keys.shape[2]
         if not 0 <= region_start <= slots - budget:
             raise ValueError(f"layer load: budget region [{region_start}, {region_start + budget}) outside {slots} slots")
         stats = np.zeros((n_units, 3), np.int64)
         code = self._lib.ice_layer_load(n_units, units.ctypes.data, slot_pos.ctypes.data, budget, keys.ctypes.data,
-                                        values.ctypes.data, valid.ctypes.data, slots, region_start, dim,
-                                        keys.dtype.itemsize, stats.ctypes.data)
+                                        values.ctypes.data, slots, region_start, dim, keys.dtype.itemsize,
+                                        stats.ctypes.data)
         return int(code), stats
 
     def layer_dci_leaf_insert(self, desc: np.ndarray, reals: np.ndarray, keys: np.ndarray, new_k: np.ndarray,

@@ -13,8 +13,10 @@ the simulator's predictors.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -24,7 +26,7 @@ from icecache.measure.timing import interleaved, timeit
 __all__ = [
     "filled_cache", "measure_decode_step", "measure_attention", "measure_sparse_attention", "measure_store_sync",
     "measure_lm_head", "measure_prefill", "StampStreamer", "measure_generate_step", "measure_runtime_layer",
-    "measure_prefill_pipeline", "decode_insert_attr",
+    "measure_prefill_pipeline", "decode_insert_attr", "classmethods_timed", "layer_inserts_timed",
 ]
 
 
@@ -33,6 +35,40 @@ def decode_insert_attr(pager: Any) -> str:
     pager that `stores_inserts` (it also writes the store), else ``insert``. Timing this one attribute times every
     decode insert once."""
     return "insert_one_stored" if pager.stores_inserts else "insert"
+
+
+@contextmanager
+def classmethods_timed(kinds: set[type], attr: str, acc: dict[str, Any], what: str,
+                       counts: Callable[[Any], bool] = lambda out: True) -> Iterator[None]:
+    """While open, every call of the classmethod ``attr`` (``cls, pagers, *args``) of the ``kinds`` that define it
+    adds its seconds to ``acc[what]`` and, when ``counts(result)``, one call per pager it served to
+    ``acc[what + "s"]``; the classes are restored on exit."""
+    saved = {kind: kind.__dict__[attr] for kind in kinds if attr in kind.__dict__}
+    for kind, original in saved.items():
+        fused = original.__func__ if isinstance(original, (staticmethod, classmethod)) else original
+
+        def run(cls: type, pagers: list[Any], *args: Any, fused: Callable[..., Any] = fused) -> Any:
+            t0 = time.perf_counter()
+            out = fused(cls, pagers, *args)
+            acc[what] += time.perf_counter() - t0
+            if counts(out):
+                acc[what + "s"] += len(pagers)
+            return out
+
+        setattr(kind, attr, classmethod(run))
+    try:
+        yield
+    finally:
+        for kind, original in saved.items():
+            setattr(kind, attr, original)
+
+
+def layer_inserts_timed(kinds: set[type], acc: dict[str, Any]) -> contextlib.AbstractContextManager[None]:
+    """While open, every one-call layer insert (a pager class's ``insert_layer_stored``, which `HeadStore`'s
+    ``insert_layer_token`` calls for all KV heads of a layer row instead of their `decode_insert_attr`) adds its
+    seconds to ``acc["insert"]`` and one insert per pager it served to ``acc["inserts"]``. It calls no pager
+    instance's own insert method, so nothing is counted twice."""
+    return classmethods_timed(kinds, "insert_layer_stored", acc, "insert")
 
 
 def filled_cache(model: Any, n: int, seed: int) -> Any:
@@ -316,6 +352,7 @@ def measure_runtime_layer(
                 row = {"heads": H, "group": group, "head_dim": head_dim, "n": n, "budget": budget, "trace": traced, "steps": rows}
                 if not traced:  # ---- the same steps with the insert done synchronously (what the worker job runs)
                     pager_s = [0.0]
+                    layer_acc = {"insert": 0.0, "inserts": 0}  # one-call layer inserts (`layer_inserts_timed`)
                     for prow in layer.pagers:
                         for pg in prow:
                             name = decode_insert_attr(pg)
@@ -330,14 +367,17 @@ def measure_runtime_layer(
                             setattr(pg, name, timed_insert)
                     cache.prefetch_inserts = False
                     sync: list[dict[str, float]] = []
-                    for r in range(reps + 1):
-                        k1 = torch.randn(1, H, 1, head_dim, generator=g, dtype=dtype)
-                        before, p0 = cache.timer.seconds["insert"], pager_s[0]
-                        kk, vv = cache.update(k1, k1.clone(), 0)
-                        icecache_attention(module, torch.randn(1, H * group, 1, head_dim, generator=g, dtype=dtype), kk, vv, None,
-                                           scaling=scale)
-                        if r:
-                            sync.append({"insert": cache.timer.seconds["insert"] - before, "pager_insert": pager_s[0] - p0})
+                    kinds = {type(pg) for prow in layer.pagers for pg in prow}
+                    with layer_inserts_timed(kinds, layer_acc):
+                        for r in range(reps + 1):
+                            k1 = torch.randn(1, H, 1, head_dim, generator=g, dtype=dtype)
+                            before, p0, l0 = cache.timer.seconds["insert"], pager_s[0], layer_acc["insert"]
+                            kk, vv = cache.update(k1, k1.clone(), 0)
+                            icecache_attention(module, torch.randn(1, H * group, 1, head_dim, generator=g, dtype=dtype), kk,
+                                               vv, None, scaling=scale)
+                            if r:
+                                sync.append({"insert": cache.timer.seconds["insert"] - before,
+                                             "pager_insert": pager_s[0] - p0 + layer_acc["insert"] - l0})
                     row["sync_inserts"] = sync
                 out["layer"].append(row)
     return out

@@ -7,13 +7,13 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from typing import Any
 
 from icecache.core.errors import ConfigError
-from icecache.measure.components import decode_insert_attr, filled_cache
+from icecache.measure.components import classmethods_timed, decode_insert_attr, filled_cache, layer_inserts_timed
 from icecache.measure.timing import interleaved, timeit
 
 __all__ = ["KeyPool", "measure_pager", "measure_decode_index", "measure_pool", "measure_background_share"]
@@ -167,7 +167,7 @@ def measure_decode_index(
             for step in range(steps + 2):
                 a0 = dict(acc)
                 t0 = time.perf_counter()
-                with layer_selects_timed(kinds, acc):
+                with layer_selects_timed(kinds, acc), layer_inserts_timed(kinds, acc):
                     tok = model(tok, past_key_values=cache, use_cache=True).logits[0, -1].argmax().view(1, 1)
                 wall = time.perf_counter() - t0
                 if acc["selects"] - a0["selects"] != jobs or acc["inserts"] - a0["inserts"] not in (0, jobs):
@@ -187,30 +187,12 @@ def measure_decode_index(
     return [r for n, r in sorted(rows.items()) if r]
 
 
-@contextmanager
-def layer_selects_timed(kinds: set[type], acc: dict[str, Any]) -> Iterator[None]:
+def layer_selects_timed(kinds: set[type], acc: dict[str, Any]) -> AbstractContextManager[None]:
     """While open, every one-call layer selection (a pager class's ``_select_layer`` behind
     `SemanticPager.select_layer_positions`, which serves all KV heads of a layer row without calling their
     ``select_arrays``) adds its seconds to ``acc["select"]`` and one select per pager it served to
     ``acc["selects"]``; the classes are restored on exit."""
-    saved = {kind: kind.__dict__["_select_layer"] for kind in kinds if "_select_layer" in kind.__dict__}
-    for kind, attr in saved.items():
-        fused = attr.__func__ if isinstance(attr, (staticmethod, classmethod)) else attr
-
-        def run(cls: type, pagers: list[Any], queries: Any, budget: int, fused: Callable[..., Any] = fused) -> Any:
-            t0 = time.perf_counter()
-            out = fused(cls, pagers, queries, budget)
-            acc["select"] += time.perf_counter() - t0
-            if out is not None:
-                acc["selects"] += len(pagers)
-            return out
-
-        kind._select_layer = classmethod(run)
-    try:
-        yield
-    finally:
-        for kind, attr in saved.items():
-            kind._select_layer = attr
+    return classmethods_timed(kinds, "_select_layer", acc, "select", counts=lambda out: out is not None)
 
 
 def measure_pool(

@@ -273,9 +273,9 @@ class BulkLoader:
 
     def _load_native(self, native: NativeKernels, stores: list[list[HeadStore]], positions: list[list[np.ndarray]],
                      indptrs: list[list[np.ndarray | None]], timer: StageTimer) -> LoadReport:
-        """`load`'s CPU path in one native call (``layer_load.cpp``): every head's residency update, row copies from
-        its store into the budget slots, and the slots' mask, as the numba path makes them. The call is timed as
-        ``gather``; packing the heads' arrays as ``other``."""
+        """`load`'s CPU path in one native call (``layer_load.cpp``): every head's residency update and row copies
+        from its store into the budget slots, as the numba path makes them. The call is timed as ``gather``, packing
+        the heads' arrays as ``other`` and the slots' mask as ``scatter`` (as in `_load_direct`)."""
         B, H, budget = self.B, self.H, self.budget
         with timer.stage("other"):
             units = np.zeros((B * H, LOAD_DESCRIPTOR_WIDTH), np.int64)
@@ -301,8 +301,7 @@ class BulkLoader:
         with timer.stage("gather"):
             slot_pos = self.slot_pos.reshape(B * H, budget)
             assert slot_pos.size == 0 or np.may_share_memory(slot_pos, self.slot_pos), "slot map copied: updates lost"
-            code, stats = native.layer_load(units, slot_pos, self._units_k, self._units_v, self._units_valid,
-                                            self.region_start)
+            code, stats = native.layer_load(units, slot_pos, self._units_k, self._units_v, self.region_start)
         if code <= -1_000_000:
             raise AssertionError("position not in the host store")
         if code < 0:
@@ -312,6 +311,8 @@ class BulkLoader:
         per_head = [(u // H, u % H, int(sel), int(reused), int(copied)) for u, (sel, reused, copied) in enumerate(stats.tolist())]
         with timer.stage("copy"):
             pass  # host and device are one memory (see `_load_direct`)
+        with timer.stage("scatter"):  # the slots' mask, written in place through its numpy view
+            np.greater_equal(slot_pos, 0, out=self._units_valid[:, self.region_start : self.region_start + budget])
         return LoadReport(
             tokens_selected=n_sel, tokens_copied=n_new, bytes_copied=n_new * 2 * self.D * self.buf_k.element_size(),
             copies=int(n_new > 0), pages_selected=int(stats[:, 0].sum()), pages_reused=int(stats[:, 1].sum()),

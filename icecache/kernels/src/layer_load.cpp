@@ -1,8 +1,8 @@
 // The CPU bulk load of one layer step in one call: for every (row, KV head) unit, the residency update of its
 // budget slots (icecache/runtime/loader.py `_assign_slots`, step for step: kept slots stay, freed slots are
-// reused in ascending order by the new positions in selection order), the copy of each new position's K and V row
-// from its host store straight into the slot, and the slots' attention mask. Rows are copied as bytes, so any
-// element type works. Compiled for the x86-64 baseline; units run one after the other (a unit copies at most a
+// reused in ascending order by the new positions in selection order) and the copy of each new position's K and V
+// row from its host store straight into the slot (the caller writes the slots' mask: its "scatter" stage). Rows
+// are copied as bytes, so any element type works. Compiled for the x86-64 baseline; units run one after the other (a unit copies at most a
 // budget of rows: threads would cost more than they save).
 #include <cstdint>
 #include <cstring>
@@ -26,13 +26,13 @@ extern "C" {
 //   8 page_of (int64), 9 its length, 10 slot_of (int64), 11 block_of (int64: page id -> block), 12 its length,
 //   13 page_size.
 // slot_pos [n_units, budget] int64 (-1 = free); keys / values: the layer's buffers [n_units, slots, dim] (bytes);
-// valid [n_units, slots] uint8; the budget region is slots [region_start, region_start + budget).
+// the budget region is slots [region_start, region_start + budget).
 // stats [n_units, 3]: pages selected, pages whose every token was resident, rows copied.
 // Returns 0, or -1 - u when unit u's selection does not fit its budget, or -1000000 - u when one of its positions
 // has no host row (the caller raises; the units before u are done, u itself is partly updated, as in numba).
 int64_t ice_layer_load(int64_t n_units, const int64_t* units, int64_t* slot_pos, int64_t budget, uint8_t* keys,
-                       uint8_t* values, uint8_t* valid, int64_t slots, int64_t region_start, int64_t dim,
-                       int64_t elem_size, int64_t* stats) {
+                       uint8_t* values, int64_t slots, int64_t region_start, int64_t dim, int64_t elem_size,
+                       int64_t* stats) {
     thread_local std::vector<char> kept, keep_slot;
     const int64_t row_bytes = dim * elem_size;
     for (int64_t u = 0; u < n_units; ++u) {
@@ -94,7 +94,6 @@ int64_t ice_layer_load(int64_t n_units, const int64_t* units, int64_t* slot_pos,
             std::memcpy(keys + (base + sl) * row_bytes, rows + (2 * row) * row_bytes, row_bytes);
             std::memcpy(values + (base + sl) * row_bytes, rows + (2 * row + 1) * row_bytes, row_bytes);
         }
-        for (int64_t s = 0; s < budget; ++s) valid[base + s] = sp[s] >= 0;
         stats[3 * u] = pages;
         stats[3 * u + 1] = reused;
         stats[3 * u + 2] = n_new;
