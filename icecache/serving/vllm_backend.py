@@ -50,7 +50,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 from icecache.core.config import IceCacheConfig
 from icecache.core.errors import CacheMisuseError, ConfigError
 from icecache.runtime.cpu_attention import sparse_attention_cpu
-from icecache.runtime.selection import select_pages
+from icecache.runtime.selection import select_layer
 from icecache.serving.paged_kv import KVLayout, gather_kv_heads
 from icecache.serving.vllm_plugin import check_index, icecache_config
 
@@ -272,13 +272,13 @@ class IceCacheCPUImpl(CPUAttentionBackendImpl):
             leaving = np.arange(ls.inserted_until, T - W)
             k, _ = gather_kv_heads(kv_cache, row.blocks, np.broadcast_to(leaving, (H, len(leaving))), transposed)
             for j in range(len(leaving)):
-                for h in range(H):
-                    ls.pagers[h].insert(k[h, j : j + 1], check=False)
+                insert_row(ls.pagers, k[:, j])
             ls.inserted_until = T - W
         t2 = time.perf_counter()
         qg = q.detach().to(torch.float32).reshape(H, -1, D)
-        selected = [select_pages(ls.pagers[h], qg[h].contiguous(), cfg.budget, cfg.gqa, cfg.top_p, self.scale)[2]
-                    for h in range(H)]
+        # every KV head in one call where the pager class has one (mdci, exact, Quest pages: `select_layer`)
+        selected = select_layer([ls.pagers], qg[None], cfg.budget, cfg.gqa, layer_idx=self.layer_idx, top_p=cfg.top_p,
+                                scale=self.scale).positions[0]
         t3 = time.perf_counter()
         row.state.selections += H
         row.state.tokens_selected += sum(len(p) for p in selected)
@@ -303,6 +303,25 @@ class IceCacheCPUImpl(CPUAttentionBackendImpl):
         clock["attend"] += t5 - t4
         row.state.layer_steps += 1
         return out.reshape(-1, D)
+
+
+def insert_row(pagers: list[Any], keys: torch.Tensor) -> None:
+    """Insert one token's keys ``[H, D]`` (float32, finite) into a row's pagers: in one call where the pager class
+    has a layer insert (``insert_layer_stored``: mdci; the plugin keeps no host store, so nothing is written
+    beside the index), else head by head."""
+    cls = type(pagers[0])
+    layer_insert = getattr(cls, "insert_layer_stored", None)
+    if layer_insert is None or any(type(p) is not cls for p in pagers):
+        for h, pager in enumerate(pagers):
+            pager.insert(keys[h : h + 1], check=False)
+        return
+    nothing = np.zeros(tuple(keys.shape), np.float32)  # K/V for a store there is not
+    layer_insert(pagers, np.ascontiguousarray(keys.numpy(), dtype=np.float32), [_NO_ROWS] * len(pagers), [_NO_BLOCKS] * len(pagers), nothing,
+                 nothing)
+
+
+_NO_ROWS = np.zeros((0, 2, 1), np.float32)  # no host store: every page is without a block
+_NO_BLOCKS = np.zeros(0, np.int64)
 
 
 class IceCacheCPUBackend(CPUAttentionBackend):
