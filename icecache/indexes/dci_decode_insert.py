@@ -21,7 +21,7 @@ from numba import njit
 from icecache.indexes import _dci_edit_kernels as edit_kernels
 from icecache.indexes import dci_update
 from icecache.indexes.dci_tree import DCITree
-from icecache.kernels.library import INSERT_DESCRIPTOR_WIDTH, native_kernels
+from icecache.kernels.library import INSERT_DESCRIPTOR_WIDTH, array_address, cached_row, native_kernels
 
 #: `_leaf_stored` outcomes beyond `dci_update`'s (`LEAF_DONE` = appended, but the page has no host block)
 LEAF_STORED, NOT_A_LEAF = 3, 4
@@ -91,10 +91,6 @@ def insert_one_stored(tree: DCITree, vector: np.ndarray, rows: np.ndarray, block
     return stored
 
 
-def _address(array: np.ndarray) -> int:
-    return array.__array_interface__["data"][0]
-
-
 def _tree_arrays(tree: DCITree, rows: np.ndarray, block_of: np.ndarray) -> tuple[np.ndarray, ...]:
     """The arrays `ice_layer_dci_leaf_insert` reads and writes, in descriptor order (see `_descriptor`)."""
     table = tree.table
@@ -106,30 +102,24 @@ def _tree_arrays(tree: DCITree, rows: np.ndarray, block_of: np.ndarray) -> tuple
 
 
 def _descriptor(tree: DCITree, rows: np.ndarray, block_of: np.ndarray) -> np.ndarray:
-    """One head's descriptor row with the point's id and level 1's size still to fill (fields 4 and 6). Cached on the
-    tree while it holds the very same arrays (the cache keeps them alive, so no address goes stale while cached); an
-    array that grew or was rebuilt is a new object, and makes a new row."""
-    arrays = _tree_arrays(tree, rows, block_of)
-    cached = getattr(tree, "_native_insert_row", None)
-    if cached is not None and len(cached[0]) == len(arrays) and all(a is b for a, b in zip(arrays, cached[0])):
-        return cached[1]
-    assert all(a.flags.c_contiguous for a in arrays), "a tree array is not contiguous"
-    (counts, nxt, upper, upper_x, upper_ext, X, ext, proj, dirs, level_of, parent_of, parent_dist, num_desc, cl_start,
-     cl_size, cl_cap, run_key, run_id, Xr, page_of, slot_of, members, sizes, _, _) = arrays
-    table = tree.table
-    assert table is not None and members.shape[1] == table.page_size and proj.shape[1] == dirs.shape[0]
+    """One head's descriptor row with the point's id and level 1's size still to fill (fields 4 and 6), cached while
+    the tree and store hold the same arrays (`icecache.kernels.library.cached_row`)."""
     cap0, cap1 = tree.schedule_args()[4:]
-    row = np.array([
-        _address(counts), _address(nxt), cap0, cap1, 0, _address(upper), 0,
-        _address(upper_x), _address(upper_ext), _address(X), _address(ext), _address(proj), _address(dirs),
-        dirs.shape[0], dirs.shape[1], _address(level_of), _address(parent_of), _address(parent_dist),
-        _address(num_desc), _address(cl_start), _address(cl_size), _address(cl_cap), _address(run_key),
-        _address(run_id), run_key.shape[1], _address(Xr), _address(page_of), _address(slot_of), _address(members),
-        _address(sizes), table.page_size, _address(rows), _address(block_of), block_of.shape[0],
-    ], np.int64)
-    assert row.shape == (INSERT_DESCRIPTOR_WIDTH,)
-    tree._native_insert_row = (arrays, row)
-    return row
+    page_size = tree.table.page_size if tree.table is not None else 0
+
+    def make(arrays: tuple[np.ndarray, ...]) -> np.ndarray:
+        (counts, nxt, upper, upper_x, upper_ext, X, ext, proj, dirs, level_of, parent_of, parent_dist, num_desc,
+         cl_start, cl_size, cl_cap, run_key, run_id, Xr, page_of, slot_of, members, sizes, rows_, block_of_) = arrays
+        assert members.shape[1] == page_size and proj.shape[1] == dirs.shape[0]
+        a = array_address
+        return np.array([
+            a(counts), a(nxt), cap0, cap1, 0, a(upper), 0, a(upper_x), a(upper_ext), a(X), a(ext), a(proj), a(dirs),
+            dirs.shape[0], dirs.shape[1], a(level_of), a(parent_of), a(parent_dist), a(num_desc), a(cl_start),
+            a(cl_size), a(cl_cap), a(run_key), a(run_id), run_key.shape[1], a(Xr), a(page_of), a(slot_of), a(members),
+            a(sizes), page_size, a(rows_), a(block_of_), block_of_.shape[0],
+        ], np.int64)
+
+    return cached_row(tree, "_native_insert_row", _tree_arrays(tree, rows, block_of), make)
 
 
 def insert_layer_stored(trees: list[DCITree], keys: np.ndarray, rows: list[np.ndarray], block_ofs: list[np.ndarray],

@@ -25,7 +25,7 @@ from numba import njit, prange
 from icecache.indexes import _dci_kernels as kernels
 from icecache.indexes.dci_search import Scratch, field_of_view, thread_scratch
 from icecache.indexes.dci_tree import DCITree
-from icecache.kernels.library import DCI_DESCRIPTOR_WIDTH, NativeKernels, native_kernels
+from icecache.kernels.library import DCI_DESCRIPTOR_WIDTH, NativeKernels, array_address, cached_row, native_kernels
 
 
 @njit(nogil=True, cache=True)
@@ -133,10 +133,6 @@ def rank_pages_layer(trees: Sequence[DCITree], Q: np.ndarray, budget: int,
     return [(s.out_pages[:k].copy(), s.out_scores[:k].astype(np.float32)) for s, k in zip(scratches, counts.tolist())]
 
 
-def _address(array: np.ndarray) -> int:
-    return array.__array_interface__["data"][0]
-
-
 def _scratch_row(scratch: Scratch) -> np.ndarray:
     """The scratch descriptor row of ``ice_layer_dci_rank_pages`` (cached: a scratch's arrays never change; a grown
     scratch is a new object)."""
@@ -147,30 +143,25 @@ def _scratch_row(scratch: Scratch) -> np.ndarray:
                   scratch.out_scores)
         assert all(a.flags.c_contiguous for a in arrays)
         row = np.zeros(DCI_DESCRIPTOR_WIDTH, np.int64)
-        row[: len(arrays)] = [_address(a) for a in arrays]
+        row[: len(arrays)] = [array_address(a) for a in arrays]
         row[13], row[14] = scratch.cnt.shape[1], scratch.gsc.shape[1]
         scratch.native_row = row
     return row
 
 
-def _tree_row(tree: DCITree, held: list) -> np.ndarray:
-    """The tree's descriptor row (addresses and slab sizes; levels and beam are filled per call). Cached on the tree
-    while it still holds the very same array objects: the cache keeps them alive, so an address cannot go stale
-    while it is cached, and an edit that replaces an array (growth, a rebuilt slab) makes a new row."""
-    arrays = (tree.vectors, tree.vectors_run0, tree.run_key, tree.run_id, tree.cluster_start, tree.cluster_size,
-              tree.num_descendants, tree.dirs, tree.table.page_of_, tree.table.sizes_)
-    cached = getattr(tree, "_native_row", None)
-    if cached is not None and all(a is b for a, b in zip(arrays, cached[0])):
-        return cached[1]
-    views = tuple(_c(a) for a in arrays)
-    held.append(views)  # a copy made here (an array that was not contiguous) lives until the call returns
-    assert views[2].shape == views[3].shape and views[1].shape[0] >= views[2].shape[1], "run slabs out of shape"
-    row = np.zeros(DCI_DESCRIPTOR_WIDTH, np.int64)
-    row[:10] = [_address(a) for a in views]
-    row[10], row[11], row[14] = views[2].shape[1], views[7].shape[1], views[9].shape[0]
-    if all(a is b for a, b in zip(arrays, views)):  # no copies: safe to keep
-        tree._native_row = (arrays, row)
-    return row
+def _tree_row(tree: DCITree) -> np.ndarray:
+    """The tree's descriptor row (addresses and slab sizes; levels and beam are filled per call), cached while the
+    tree holds the same arrays (`icecache.kernels.library.cached_row`)."""
+    def make(arrays: tuple[np.ndarray, ...]) -> np.ndarray:
+        assert arrays[2].shape == arrays[3].shape and arrays[1].shape[0] >= arrays[2].shape[1], "run slabs out of shape"
+        row = np.zeros(DCI_DESCRIPTOR_WIDTH, np.int64)
+        row[:10] = [array_address(a) for a in arrays]
+        row[10], row[11], row[14] = arrays[2].shape[1], arrays[7].shape[1], arrays[9].shape[0]
+        return row
+
+    return cached_row(tree, "_native_rank_row", (tree.vectors, tree.vectors_run0, tree.run_key, tree.run_id,
+                                                 tree.cluster_start, tree.cluster_size, tree.num_descendants, tree.dirs,
+                                                 tree.table.page_of_, tree.table.sizes_), make)
 
 
 def _native_rank(native: NativeKernels, trees: Sequence[DCITree], scratches: list[Scratch], Q: np.ndarray, budget: int,
@@ -178,12 +169,11 @@ def _native_rank(native: NativeKernels, trees: Sequence[DCITree], scratches: lis
     """`rank_pages_layer` on the native library: pack each tree's arrays and sizes, call once."""
     heads = len(trees)
     params = trees[0].params
-    held = []  # contiguous views (copies only if an array was not): alive until the call returns
     rows = np.zeros((heads, DCI_DESCRIPTOR_WIDTH), np.int64)
     reals = np.zeros((heads, 2), np.float64)
     default_scale = params.score_scale
     for h, t in enumerate(trees):
-        rows[h] = _tree_row(t, held)
+        rows[h] = _tree_row(t)
         rows[h, 12], rows[h, 13] = t.num_levels - 1, field_of_view(t)
         reals[h] = (math.sqrt(t.msq), default_scale if default_scale is not None else 1.0 / math.sqrt(t.dim))
     works = np.stack([_scratch_row(s) for s in scratches])

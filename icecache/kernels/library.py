@@ -19,7 +19,7 @@ import contextlib
 import ctypes
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -290,6 +290,27 @@ class NativeKernels:
                                             new_k.ctypes.data, new_v.ctypes.data, new_k.shape[1] * new_k.itemsize,
                                             out.ctypes.data)
         return out
+
+
+def array_address(array: np.ndarray) -> int:
+    """The address of an array's first element (for a descriptor row; the array must outlive the call)."""
+    return array.__array_interface__["data"][0]
+
+
+def cached_row(owner: Any, slot: str, arrays: tuple[np.ndarray, ...],
+               make: Callable[[tuple[np.ndarray, ...]], np.ndarray]) -> np.ndarray:
+    """A descriptor row built by ``make(arrays)`` (addresses and sizes), cached on ``owner`` as attribute ``slot``
+    while ``owner`` still holds the very same array objects: the cache keeps them alive, so an address cannot go
+    stale while it is cached, and an edit that replaces an array (growth, a rebuilt slab) makes a new row. The
+    arrays must be C-contiguous (else ValueError: a copy would be freed after the call)."""
+    cached = getattr(owner, slot, None)
+    if cached is not None and len(cached[0]) == len(arrays) and all(a is b for a, b in zip(arrays, cached[0])):
+        return cached[1]
+    if not all(a.flags.c_contiguous for a in arrays):
+        raise ValueError(f"{type(owner).__name__}: a native descriptor needs C-contiguous arrays")
+    row = make(arrays)
+    setattr(owner, slot, (arrays, row))
+    return row
 
 
 def _f32(x: np.ndarray, ndim: int) -> np.ndarray:

@@ -22,7 +22,7 @@ import torch
 from numba import njit
 
 from icecache.core.capacity import grown_capacity
-from icecache.kernels.library import LOAD_DESCRIPTOR_WIDTH, NativeKernels, native_kernels
+from icecache.kernels.library import LOAD_DESCRIPTOR_WIDTH, NativeKernels, array_address, native_kernels
 from icecache.runtime.store import HeadStore, raw_numpy
 from icecache.runtime.timing import StageTimer
 
@@ -97,10 +97,6 @@ def _copy_rows(src, rows, dst_k, dst_v, dst_rows):
 
 
 _NO_INDPTR = np.zeros(0, np.int64)
-
-
-def _address(array: np.ndarray) -> int:
-    return array.__array_interface__["data"][0]
 #: Dtypes the CPU direct path copies with `_copy_rows` (numpy has no bfloat16: those go through torch).
 _DIRECT_DTYPES = (torch.float32, torch.float16, torch.float64)
 
@@ -293,11 +289,11 @@ class BulkLoader:
                     table = store.table
                     assert raw.itemsize == self._units_k.itemsize and raw.flags.c_contiguous, "store and buffers differ"
                     held.append((pos, ip))
+                    a = array_address
                     units[b * H + h] = (
-                        _address(pos), len(pos), 0 if ip is None else _address(ip), 0 if ip is None else len(ip),
-                        _address(sop), len(sop), _address(raw), raw.shape[0], _address(table.page_of_),
-                        len(table.page_of_), _address(table.slot_of_), _address(store.block_of), len(store.block_of),
-                        store.page_size)
+                        a(pos), len(pos), 0 if ip is None else a(ip), 0 if ip is None else len(ip), a(sop), len(sop),
+                        a(raw), raw.shape[0], a(table.page_of_), len(table.page_of_), a(table.slot_of_),
+                        a(store.block_of), len(store.block_of), store.page_size)
         with timer.stage("gather"):
             slot_pos = self.slot_pos.reshape(B * H, budget)
             assert slot_pos.size == 0 or np.may_share_memory(slot_pos, self.slot_pos), "slot map copied: updates lost"
