@@ -153,10 +153,10 @@ class IceCacheConfig:
         # pagers are made (`icecache.indexes.make_pager`, `IceCache(...)`): core does not know the registry.
         if not isinstance(self.index_params, dict):
             raise ConfigError(f"IceCacheConfig.index_params must be a dict, got {type(self.index_params).__name__}")
-        if "[" in self.index:  # a spec such as stats()["index"] reports: its parameters join index_params
-            from icecache.core.spec import parse_spec
+        from icecache.core.spec import parse_spec
 
-            name, params = parse_spec(self.index)
+        name, params = parse_spec(self.index)  # a name, or a spec such as stats()["index"] reports ("0": refused here)
+        if "[" in self.index:  # the spec's parameters join index_params
             clash = sorted(k for k in params if k in self.index_params and self.index_params[k] != params[k])
             if clash:
                 raise ConfigError(f"IceCacheConfig: index {self.index!r} and index_params disagree on {', '.join(clash)}")
